@@ -1,0 +1,48 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+DATA   := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast test-multinode lint bench install data clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch 2.14.1 + torchvision 0.29.1 are what this machine kind installs from local files.
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install --quiet torch==2.14.1 torchvision==0.29.1
+	$(PIP) install --quiet -e '.[vision,plots,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Fashion-MNIST comes from Debian's dataset-fashion-mnist (IDX files, no download at run time).
+data: $(DATA)
+$(DATA):
+	@if [ "$$(id -u)" = "0" ]; then \
+		(apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q dataset-fashion-mnist >/dev/null)); \
+	else \
+		echo "Fashion-MNIST missing: run 'sudo apt-get install dataset-fashion-mnist' or set PARATRAIN_DATA_DIR"; exit 1; \
+	fi
+
+demo: install data
+	$(VENV)/bin/paratrain demo --nproc 2 --epochs 5
+
+test: install data
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-multinode: install data
+	$(PY) -m pytest -q -m multinode $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,83 @@
+"""Typed run configuration, validated once with errors that name the bad field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything that shapes a run, apart from the user's model, optimizer and data."""
+
+    strategy: str = "auto"
+    """Name of the parallel strategy: ``auto`` (``ddp`` when launched with several
+    processes, ``single`` otherwise), ``single``, ``dp``, ``ddp`` or one added later."""
+
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen strategy, e.g. ``{"bucket_cap_mb": 25}`` for ``ddp``."""
+
+    precision: str = "32"
+    """Numeric precision: ``32``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true``."""
+
+    accumulate: int = 1
+    """Micro-batches per optimizer step (gradient accumulation)."""
+
+    max_grad_norm: float | None = None
+    """Clip gradients to this global L2 norm before each optimizer step."""
+
+    seed: int = 0
+    """Seed for model initialisation, data order and per-rank randomness."""
+
+    timeout_s: float = 300.0
+    """Collective timeout in seconds: a lost peer fails the job after this long."""
+
+    accelerator: str = "auto"
+    """``auto`` (CUDA when visible), ``cpu`` or ``cuda``."""
+
+    checkpoint_dir: str | None = None
+    """Directory for resumable checkpoints; a run resumes from its newest one."""
+
+    checkpoint_every: int | None = None
+    """Write a checkpoint every this many optimizer steps (needs checkpoint_dir)."""
+
+    keep_checkpoints: int = 2
+    """How many complete checkpoints to keep in checkpoint_dir."""
+
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    metrics_path: str | None = None
+    """Append metrics on rank 0 to this ``.csv`` or ``.jsonl`` file."""
+
+    tensorboard_dir: str | None = None
+    """Also write metrics to TensorBoard event files here (needs tensorboard)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, str) or not self.strategy:
+            raise ValueError(f"strategy must be a strategy name, got {self.strategy!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate must be an integer >= 1, got {self.accumulate!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if self.accelerator not in ("auto", "cpu", "cuda"):
+            raise ValueError(
+                f"accelerator must be 'auto', 'cpu' or 'cuda', got {self.accelerator!r}"
+            )
+        if self.checkpoint_every is not None:
+            if self.checkpoint_every < 1:
+                raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+            if self.checkpoint_dir is None:
+                raise ValueError("checkpoint_every needs checkpoint_dir to be set")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.metrics_path is not None and not self.metrics_path.endswith((".csv", ".jsonl")):
+            raise ValueError(
+                f"metrics_path must end in .csv or .jsonl, got {self.metrics_path!r}"
+            )

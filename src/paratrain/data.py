@@ -1,0 +1,206 @@
+"""Distributed sampling with a world-size-independent, resumable cursor.
+
+Every epoch has one global order of samples (a permutation seeded by
+``seed`` and ``epoch``). Global batch ``k`` is positions ``[k*G, (k+1)*G)`` of
+that order, with ``G = batch_size * num_replicas``, and rank ``r`` takes every
+``num_replicas``-th position starting at ``r``. So the set of samples in each
+global batch does not depend on the number of ranks, and the data position is
+a single number: the global sample offset reached in the epoch. Resuming from
+``(epoch, offset)`` continues with exactly the samples not yet seen, at the same
+or at another world size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+@dataclass
+class DataCursor:
+    """Where a loader is in its data: epoch and global sample offset within it."""
+
+    epoch: int = 0
+    offset: int = 0
+
+
+def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The global order of sample indices for ``epoch``; identical on every rank."""
+    if not shuffle:
+        return torch.arange(num_samples)
+    generator = torch.Generator()
+    # Seeding by (seed, epoch) reshuffles each epoch, identically on every rank.
+    generator.manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=generator)
+
+
+class ShardedSampler(Sampler[int]):
+    """Indices of one rank's shard of the global order, from the cursor's offset on.
+
+    Args:
+        num_samples: length of the dataset.
+        num_replicas: number of data-parallel ranks.
+        rank: this rank's data-parallel index.
+        shuffle: reshuffle every epoch (seeded; same order on every rank).
+        seed: shuffling seed.
+        drop_last: drop the tail that does not divide among the ranks instead of
+            padding it with samples from the start of the epoch's order.
+        pad: with ``drop_last=False``, pad so every rank gets the same number of
+            samples (training: ranks must take the same number of steps). Set
+            False for evaluation, where padding would count samples twice.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad: bool = True,
+    ) -> None:
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
+        if pad and num_samples < num_replicas:
+            raise ValueError(
+                f"dataset has {num_samples} samples but there are {num_replicas} data-parallel "
+                "ranks; use a larger dataset or fewer processes"
+            )
+        self.num_samples = num_samples
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pad = pad
+        self.cursor = DataCursor()
+
+    def set_epoch(self, epoch: int, offset: int = 0) -> None:
+        """Start ``epoch`` at global sample ``offset`` (0 for a fresh epoch)."""
+        self.cursor = DataCursor(epoch=epoch, offset=offset)
+
+    @property
+    def total_size(self) -> int:
+        """Samples in the epoch across all ranks, after padding or dropping the tail."""
+        if self.drop_last:
+            return (self.num_samples // self.num_replicas) * self.num_replicas
+        if self.pad:
+            return math.ceil(self.num_samples / self.num_replicas) * self.num_replicas
+        return self.num_samples
+
+    def _remaining_positions(self) -> torch.Tensor:
+        order = epoch_order(
+            self.num_samples, seed=self.seed, epoch=self.cursor.epoch, shuffle=self.shuffle
+        )
+        total = self.total_size
+        if total > self.num_samples:
+            # Pad from the start of the order so the padding does not depend on the offset.
+            order = torch.cat([order, order[: total - self.num_samples]])
+        return order[min(self.cursor.offset, total) : total]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._remaining_positions()[self.rank :: self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        remaining = max(0, self.total_size - self.cursor.offset)
+        return len(range(self.rank, remaining, self.num_replicas))
+
+
+class DistributedLoader:
+    """A DataLoader over one rank's shard that tracks its position and moves batches to a device.
+
+    Iterating yields batches on ``device``. The loader counts the global samples
+    it has handed out so that a checkpoint taken mid-epoch resumes exactly.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: ShardedSampler,
+        *,
+        batch_size: int,
+        device: torch.device,
+        num_workers: int,
+        pin_memory: bool,
+        persistent_workers: bool,
+        collate_fn: Any = None,
+        drop_last_batch: bool = False,
+    ) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.device = device
+        self._generator = torch.Generator()
+        self.dataloader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers and num_workers > 0,
+            collate_fn=collate_fn,
+            drop_last=drop_last_batch,
+            # A private generator keeps worker seeding from consuming the global RNG,
+            # which would make a resumed run diverge from an uninterrupted one.
+            generator=self._generator,
+        )
+        self.batches_in_epoch = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.sampler.num_replicas
+
+    @property
+    def cursor(self) -> DataCursor:
+        """Epoch and global offset of the next sample to be handed out."""
+        return DataCursor(epoch=self.sampler.cursor.epoch, offset=self.position)
+
+    @property
+    def position(self) -> int:
+        consumed = self.batches_in_epoch * self.global_batch_size
+        return min(self.sampler.cursor.offset + consumed, self.sampler.total_size)
+
+    def set_epoch(self, epoch: int, offset: int = 0) -> None:
+        self.sampler.set_epoch(epoch, offset)
+        self.batches_in_epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __iter__(self) -> Iterator[Any]:
+        cursor = self.sampler.cursor
+        if cursor.offset >= self.sampler.total_size:
+            # Iterating an exhausted loader again (e.g. evaluation every epoch) starts over.
+            self.set_epoch(cursor.epoch, 0)
+            cursor = self.sampler.cursor
+        self._generator.manual_seed(
+            (self.sampler.seed * 1_000_003 + cursor.epoch) * 4099 + self.sampler.rank
+        )
+        non_blocking = self.dataloader.pin_memory and self.device.type == "cuda"
+        for index, batch in enumerate(self.dataloader):
+            self.batches_in_epoch = index + 1
+            yield move_to_device(batch, self.device, non_blocking=non_blocking)
+        # The epoch is exhausted; the position now reads as the end of the epoch.
+        self.sampler.cursor.offset = self.sampler.total_size
+        self.batches_in_epoch = 0
+
+
+def move_to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
+    """Move every tensor in a (nested) batch to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: move_to_device(v, device, non_blocking=non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [move_to_device(v, device, non_blocking=non_blocking) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if hasattr(batch, "to"):
+        return batch.to(device)
+    return batch

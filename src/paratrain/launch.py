@@ -1,0 +1,221 @@
+"""``paratrain launch``: torchrun's command line on top of ``torch.distributed.run``.
+
+The flags are torchrun's; the processes are started, watched and restarted by
+torchrun's elastic agent. What paratrain adds is checks that fail fast with one
+line (script missing, port in use, bad node rank, ...), a free port when a
+single-node job does not name one, and CPU thread defaults that split the cores
+among the local processes instead of oversubscribing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Sequence
+
+from paratrain.reporting import cpu_threads_per_process
+
+NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+class LaunchError(ValueError):
+    """A launch request that cannot work; the message says why and how to fix it."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paratrain launch",
+        allow_abbrev=False,
+        description="Start a training script on one or many nodes (torchrun-compatible flags).",
+    )
+    add = parser.add_argument
+    add("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic jobs")
+    add("--node-rank", "--node_rank", type=int, default=0, help="rank of this node")
+    add("--nproc-per-node", "--nproc_per_node", default="1",
+        help="processes per node: a number, or auto (one per GPU, else per CPU core)")
+    add("--master-addr", "--master_addr", default="127.0.0.1", help="address of node 0")
+    add("--master-port", "--master_port", type=int, default=None,
+        help="port on node 0 (default: a free port for single-node jobs, else 29500)")
+    add("--rdzv-backend", "--rdzv_backend", default="static", help="static or c10d")
+    add("--rdzv-endpoint", "--rdzv_endpoint", default="", help="HOST:PORT of the rendezvous")
+    add("--rdzv-id", "--rdzv_id", default="none", help="job id shared by all nodes")
+    add("--rdzv-conf", "--rdzv_conf", default="", help="extra rendezvous settings, k=v,...")
+    add("--local-addr", "--local_addr", default=None, help="this node's address for c10d")
+    add("--max-restarts", "--max_restarts", type=int, default=0,
+        help="restart all workers up to N times after a failure")
+    add("--monitor-interval", "--monitor_interval", type=float, default=0.1,
+        help="seconds between checks of worker health")
+    add("--standalone", action="store_true",
+        help="single-node job with a local rendezvous on a free port")
+    add("--ps-servers", type=int, default=None,
+        help="number of parameter-server ranks for strategy='ps'")
+    add("-m", "--module", action="store_true", help="run SCRIPT as a Python module")
+    add("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
+    add("script", help="training script (or module with -m)")
+    add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _parse_nnodes(value: str) -> tuple[int, int]:
+    try:
+        parts = [int(p) for p in value.split(":")]
+    except ValueError:
+        raise LaunchError(f"--nnodes must be N or MIN:MAX, got {value!r}") from None
+    low, high = (parts[0], parts[0]) if len(parts) == 1 else (parts[0], parts[-1])
+    if len(parts) > 2 or low < 1 or high < low:
+        raise LaunchError(f"--nnodes must be N >= 1 or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
+    return low, high
+
+
+def _is_local_address(host: str) -> bool:
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0") or host.startswith("127."):
+        return True
+    try:
+        return host in (socket.gethostname(), socket.getfqdn())
+    except OSError:
+        return False
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when nothing can listen on ``host:port`` because something already does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Fail fast, with one line, on requests that cannot work."""
+    low, high = _parse_nnodes(args.nnodes)
+    nproc = args.nproc_per_node
+    if nproc not in NPROC_WORDS:
+        try:
+            if int(nproc) < 1:
+                raise ValueError
+        except ValueError:
+            raise LaunchError(
+                f"--nproc-per-node must be an integer >= 1 or one of {NPROC_WORDS}, got {nproc!r}"
+            ) from None
+    if args.rdzv_backend == "static" and not 0 <= args.node_rank < high:
+        raise LaunchError(
+            f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes}; "
+            f"use 0..{high - 1}"
+        )
+    if args.rdzv_backend == "static" and low != high:
+        raise LaunchError("--nnodes MIN:MAX needs --rdzv-backend c10d (static needs a fixed size)")
+    if args.max_restarts < 0:
+        raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not (args.module or args.no_python) and not os.path.isfile(args.script):
+        raise LaunchError(f"script {args.script!r} not found; check the path")
+    if args.ps_servers is not None and args.ps_servers < 1:
+        raise LaunchError(f"--ps-servers must be >= 1, got {args.ps_servers}")
+    static_master = args.rdzv_backend == "static" and not args.standalone
+    if static_master and args.master_port is not None:
+        if not 0 < args.master_port < 65536:
+            raise LaunchError(f"--master-port must be in 1..65535, got {args.master_port}")
+        if args.node_rank == 0 and _is_local_address(args.master_addr) and port_in_use(
+            args.master_addr, args.master_port
+        ):
+            raise LaunchError(
+                f"port {args.master_port} on {args.master_addr} is in use; pick another "
+                "--master-port (or omit it on a single node to get a free one)"
+            )
+
+
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """The equivalent ``torch.distributed.run`` command line, up to the script's own arguments."""
+    argv = ["--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node),
+            "--max-restarts", str(args.max_restarts),
+            "--monitor-interval", str(args.monitor_interval)]
+    if args.standalone:
+        argv.append("--standalone")
+    elif args.rdzv_backend == "static":
+        port = args.master_port
+        if port is None:
+            port = free_port(args.master_addr) if _parse_nnodes(args.nnodes)[1] == 1 else 29500
+        argv += ["--node-rank", str(args.node_rank), "--master-addr", args.master_addr,
+                 "--master-port", str(port)]
+    else:
+        argv += ["--rdzv-backend", args.rdzv_backend, "--rdzv-endpoint", args.rdzv_endpoint,
+                 "--rdzv-id", args.rdzv_id]
+    if args.rdzv_conf:
+        argv += ["--rdzv-conf", args.rdzv_conf]
+    if args.local_addr:
+        argv += ["--local-addr", args.local_addr]
+    if args.module:
+        argv.append("--module")
+    if args.no_python:
+        argv.append("--no-python")
+    return [*argv, args.script]
+
+
+def script_args(args: argparse.Namespace) -> list[str]:
+    return args.script_args[1:] if args.script_args[:1] == ["--"] else list(args.script_args)
+
+
+def _local_process_count(nproc: str) -> int:
+    if nproc.isdigit():
+        return int(nproc)
+    import torch
+
+    if nproc in ("auto", "gpu") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``paratrain launch``; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        validate(args)
+    except LaunchError as exc:
+        print(f"paratrain launch: {exc}", file=sys.stderr)
+        return 2
+    # Without this, every process would start one thread per core and they would
+    # fight over the same cores.
+    threads = cpu_threads_per_process(_local_process_count(str(args.nproc_per_node)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if args.ps_servers is not None:
+        os.environ["PARATRAIN_PS_SERVERS"] = str(args.ps_servers)
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    torch_args = get_args_parser().parse_args(torchrun_argv(args))
+    # Set directly: parsing them would let torchrun match the script's flags as its own.
+    torch_args.training_script_args = script_args(args)
+    try:
+        run(torch_args)
+    except ChildFailedError as exc:
+        print(f"paratrain launch: {describe_failure(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("paratrain launch: interrupted; workers were stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line naming the first failed rank and how it died."""
+    failures = getattr(exc, "failures", {}) or {}
+    if not failures:
+        return f"job failed: {exc}"
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
+    how = f"exit code {failure.exitcode}"
+    if failure.exitcode < 0:
+        how = f"signal {failure.signal_name()}"
+    more = f" ({len(failures) - 1} other worker(s) also failed)" if len(failures) > 1 else ""
+    return (f"worker rank {rank} (local rank {failure.local_rank}) failed first with {how}"
+            f"{more}; its traceback is above")

@@ -1,0 +1,400 @@
+"""``paratrain plan``: predict step time, throughput and memory of each strategy.
+
+An analytic model (``docs/plan.md``) that launches no processes. This module holds unit
+parsing, calibration and the command line; the formulas and the report live in
+:mod:`paratrain.plan_model` and are re-exported here.
+
+Example::
+
+    import torch
+    from paratrain.plan import Hardware, calibrate, default_model, plan
+    profile = calibrate(default_model(), torch.randn(32, 1, 28, 28))
+    hw = Hardware(num_devices_per_node=4, device_memory_bytes=16 * 10**9)
+    print(plan(profile, hw, batch_size_per_device=32).format_table())
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from paratrain.plan_model import (
+    DEFAULT_BUCKET_BYTES,
+    STRATEGIES,
+    Hardware,
+    ModelProfile,
+    PlanReport,
+    Prediction,
+    allgather_time,
+    allreduce_time,
+    exposed_comm_time,
+    format_bytes,
+    format_seconds,
+    plan,
+    predict,
+    ps_comm_time,
+    reduce_scatter_time,
+    ring_allgather_time,
+    ring_allreduce_time,
+    ring_reduce_scatter_time,
+)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES", "STRATEGIES", "Hardware", "ModelProfile", "PlanReport", "Prediction",
+    "allgather_time", "allreduce_time", "calibrate", "default_model", "exposed_comm_time",
+    "format_bytes", "format_seconds", "main", "parse_bandwidth", "parse_duration", "parse_size",
+    "plan", "predict", "ps_comm_time", "reduce_scatter_time", "ring_allgather_time",
+    "ring_allreduce_time", "ring_reduce_scatter_time",
+]
+
+# --- units ----------------------------------------------------------------------
+
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ]*)\s*(/s)?\s*$")
+_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+           "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+# Case matters only for b (bit) vs B (byte), as in "Gb" vs "GB".
+_BIT_SUFFIXES = (("bps", 8), ("Bps", 1), ("bits", 8), ("bit", 8), ("bytes", 1), ("byte", 1),
+                 ("b", 8), ("B", 1))
+
+
+def _parse_bytes(text: str, what: str, examples: str) -> float:
+    m = _QUANTITY.match(str(text))
+    if m:
+        value, unit = float(m[1]), m[2]
+        divisor = 1 if unit == "" else None  # a bare number is bytes
+        for suffix, div in _BIT_SUFFIXES:
+            if unit.endswith(suffix):
+                unit, divisor = unit[: -len(suffix)], div
+                break
+        scale = _PREFIX.get(unit.lower())
+        if divisor is not None and scale is not None:
+            return value * scale / divisor
+    raise ValueError(f"cannot parse {text!r} as {what} (examples: {examples})")
+
+
+def parse_bandwidth(text: str) -> float:
+    """Bytes per second from "10Gbit", "200Mbit/s", "10Gbps", "25GB", "1.5GB/s" or a number.
+
+    Lower-case ``b``/``bit``/``bps`` means bits (divided by 8), ``B`` bytes; k/M/G/T are
+    powers of 1000 and Ki/Mi/Gi/Ti powers of 1024. A bare number is bytes/s.
+    """
+    value = _parse_bytes(text, "a bandwidth", "10Gbit, 200Mbit/s, 25GB, 1.5GB/s")
+    if value <= 0:
+        raise ValueError(f"bandwidth must be positive, got {text!r}")
+    return value
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "16GB", "512MiB", "1e9" (bits such as "8Gbit" are divided by 8)."""
+    return round(_parse_bytes(text, "a size", "16GB, 512MiB, 1e9"))
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from "50us" (or "50µs"), "1.5ms", "2s", "100ns" or a bare number of seconds."""
+    m = _QUANTITY.match(str(text))
+    units = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+    if m and not m[3] and m[2].lower() in units:
+        return float(m[1]) * units[m[2].lower()]
+    raise ValueError(f"cannot parse {text!r} as a duration (examples: 50us, 1.5ms, 2s)")
+
+
+# --- calibration ------------------------------------------------------------------
+
+
+def default_model() -> Any:
+    """The small MNIST-sized ConvNet calibrated when no model is given (input 1x28x28)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(1600, 256), nn.ReLU(), nn.Linear(256, 10),
+    )
+
+
+def _default_loss(output: Any) -> Any:
+    first = output[0] if isinstance(output, (tuple, list)) else output
+    return first.float().sum()
+
+
+def calibrate(
+    model: Any, example_input: Any, loss_fn: Callable[[Any], Any] | None = None, *,
+    repeats: int = 3,
+) -> ModelProfile:
+    """Measure a real ``torch.nn.Module`` on this CPU and return its :class:`ModelProfile`.
+
+    ``example_input`` is one batch (a tensor, or a tuple of tensors passed positionally;
+    the first dimension is the batch). ``loss_fn(output)`` must return a scalar; the
+    default sums the (first) output. One untimed warm-up pass also counts activation
+    bytes: every tensor autograd saves for backward, excluding parameters, each storage
+    once. Then the median of ``repeats`` timed forward+backward passes gives the time per
+    sample and the backward share. The model's ``.grad`` fields are cleared afterwards.
+    """
+    import torch
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    inputs = tuple(example_input) if isinstance(example_input, (tuple, list)) else (example_input,)
+    first = inputs[0] if inputs else None
+    if not isinstance(first, torch.Tensor) or first.dim() == 0 or first.shape[0] < 1:
+        raise ValueError("example_input must be a batch tensor (or a tuple starting with one)")
+    batch = int(first.shape[0])
+    params = list(model.parameters())
+    num_parameters = sum(p.numel() for p in params)
+    if num_parameters == 0:
+        raise ValueError("model has no parameters to train")
+    param_bytes = sum(p.numel() * p.element_size() for p in params) / num_parameters
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    loss_fn = loss_fn or _default_loss
+    saved: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # e.g. tensors without a plain storage
+            return t
+        ptr = storage.data_ptr()
+        # Parameters (and views of them, such as weight.t()) are model state, not activations;
+        # one storage saved by several ops is in memory once.
+        if ptr and ptr not in param_storages:
+            saved[ptr] = max(saved.get(ptr, 0), storage.nbytes())
+        return t
+
+    fwd_times: list[float] = []
+    total_times: list[float] = []
+    with torch.enable_grad():
+        for i in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            if i == 0:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = loss_fn(model(*inputs))
+            else:
+                loss = loss_fn(model(*inputs))
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if i > 0:  # pass 0 warms caches up and carries the hook overhead
+                fwd_times.append(t1 - t0)
+                total_times.append(t2 - t0)
+    model.zero_grad(set_to_none=True)
+    total = max(statistics.median(total_times), 1e-9)
+    backward_fraction = min(1.0, max(0.0, 1 - statistics.median(fwd_times) / total))
+    # Pipeline stages are cut between leaf modules that own parameters (Conv, Linear, ...).
+    layers = sum(1 for m in model.modules()
+                 if not list(m.children()) and any(True for _ in m.parameters(recurse=False)))
+    return ModelProfile(
+        num_parameters=num_parameters, param_bytes=param_bytes, grad_bytes=param_bytes,
+        activation_bytes_per_sample=sum(saved.values()) / batch,
+        compute_time_per_sample=total / batch, backward_fraction=backward_fraction,
+        num_layers=max(1, layers),
+    )
+
+
+# --- command line -------------------------------------------------------------------
+
+
+class _UsageError(Exception):
+    """Bad command-line input; the message starts with the flag at fault."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line instead of usage + message
+        raise _UsageError(message)
+
+
+def _arg_type(parse: Callable[[str], Any], check: Callable[[Any], bool] = lambda v: True,
+              requirement: str = "") -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+
+    return convert
+
+
+_POS_INT = _arg_type(int, lambda v: v >= 1, "a positive integer")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="paratrain plan", description="Predict step time, throughput and "
+                "per-device memory of each parallel strategy (analytic model, runs nothing).")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="MODULE:CALLABLE",
+                     help="import and calibrate this nn.Module factory (default: a small ConvNet)")
+    src.add_argument("--num-parameters", type=_POS_INT, help="skip calibration: parameter count")
+    p.add_argument("--input-shape", default="1,28,28", help="per-sample input shape (default 1,28,28)")
+    p.add_argument("--time-per-sample", type=_arg_type(parse_duration, lambda v: v > 0, "positive"),
+                   help="forward+backward time per sample, e.g. 2ms (default: calibrated, or "
+                   "6 FLOPs per parameter at 1 TFLOP/s with --num-parameters)")
+    p.add_argument("--activation-bytes", type=_arg_type(parse_size),
+                   help="activation bytes per sample (default: calibrated, or 0)")
+    p.add_argument("--layers", type=_POS_INT, help="number of layers (default: calibrated, or 1)")
+    p.add_argument("--param-bytes", type=_POS_INT, help="bytes per parameter and gradient")
+    p.add_argument("--optimizer-bytes",
+                   type=_arg_type(float, lambda v: 0 <= v < float("inf"), "non-negative"),
+                   default=8.0, help="optimizer bytes per parameter (default 8: Adam)")
+    p.add_argument("--checkpointing", action="store_true", help="assume activation checkpointing")
+    p.add_argument("--devices-per-node", type=_POS_INT, default=4)
+    p.add_argument("--nodes", type=_POS_INT, default=1)
+    bw = _arg_type(parse_bandwidth)
+    lat = _arg_type(parse_duration, lambda v: v >= 0, "non-negative")
+    p.add_argument("--bandwidth", type=bw, default=parse_bandwidth("10Gbit"),
+                   help="intra-node bandwidth, e.g. 10Gbit, 25GB (default 10Gbit)")
+    p.add_argument("--inter-node-bandwidth", type=bw, help="default: --bandwidth")
+    p.add_argument("--latency", type=lat, default=50e-6, help="intra-node latency (default 50us)")
+    p.add_argument("--inter-node-latency", type=lat, help="default: --latency")
+    p.add_argument("--batch-size", type=_POS_INT, default=32, help="per device (default 32)")
+    p.add_argument("--device-memory", type=_arg_type(parse_size, lambda v: v > 0, "positive"),
+                   help="e.g. 16GB (default: not checked)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    p.add_argument("--num-servers", type=_POS_INT, default=1, help="parameter servers for ps")
+    p.add_argument("--microbatches", type=_POS_INT, help="pipeline micro-batches (default 4 x stages)")
+    p.add_argument("--overlap", type=_arg_type(float, lambda v: 0 <= v <= 1, "in [0, 1]"),
+                   default=1.0, help="share of backward that hides gradient communication")
+    p.add_argument("--repeats", type=_POS_INT, default=3, help="timed calibration passes")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON ('-': stdout only)")
+    return p
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _load_model(spec: str) -> Any:
+    from torch import nn
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise _UsageError(f"--model: expected MODULE:CALLABLE, got {spec!r}")
+    added = os.getcwd() not in sys.path
+    if added:  # let `--model mymodels:make` find files in the working directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+        model = factory() if not isinstance(factory, nn.Module) else factory
+    except Exception as exc:  # any import/construct failure is the flag's fault
+        raise _UsageError(f"--model: cannot load {spec!r}: {_one_line(exc)}") from None
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+    if not isinstance(model, nn.Module):
+        raise _UsageError(f"--model: {spec!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def _profile(args: argparse.Namespace) -> ModelProfile:
+    if args.num_parameters is not None:
+        n = args.num_parameters
+        profile = ModelProfile(
+            num_parameters=n, activation_bytes_per_sample=args.activation_bytes or 0,
+            compute_time_per_sample=args.time_per_sample or 6 * n / 1e12,
+            num_layers=args.layers or 1)
+    else:
+        import torch
+
+        try:
+            shape = tuple(int(x) for x in args.input_shape.split(","))
+            if not shape or min(shape) < 1:
+                raise ValueError
+        except ValueError:
+            raise _UsageError(f"--input-shape: expected positive integers such as 1,28,28, "
+                              f"got {args.input_shape!r}") from None
+        model = default_model() if args.model is None else _load_model(args.model)
+        example = torch.randn(args.batch_size, *shape)
+        try:
+            profile = calibrate(model, example, repeats=args.repeats)
+        except Exception as exc:  # shape mismatch and the like
+            flag = "--input-shape" if args.model is None else "--model"
+            raise _UsageError(f"{flag}: calibration on input {tuple(example.shape)} failed: "
+                              f"{_one_line(exc)}") from None
+        overrides = {"compute_time_per_sample": args.time_per_sample,
+                     "activation_bytes_per_sample": args.activation_bytes,
+                     "num_layers": args.layers}
+        profile = replace(profile, **{k: v for k, v in overrides.items() if v is not None})
+    extra: dict[str, Any] = {"optimizer_bytes_per_param": args.optimizer_bytes,
+                             "activation_checkpointing": args.checkpointing}
+    if args.param_bytes is not None:
+        extra.update(param_bytes=args.param_bytes, grad_bytes=args.param_bytes)
+    return replace(profile, **extra)
+
+
+def _describe(report: PlanReport) -> str:
+    pr, hw = report.profile, report.hardware
+    mem = "not checked" if hw.device_memory_bytes is None else format_bytes(hw.device_memory_bytes)
+    ckpt = ", checkpointing" if pr.activation_checkpointing else ""
+    return (f"model:    {pr.num_parameters:,} parameters ({format_bytes(pr.param_size)}), "
+            f"{pr.num_layers} layers, {format_seconds(pr.compute_time_per_sample)}/sample "
+            f"fwd+bwd, {format_bytes(pr.activation_bytes_per_sample)} activations/sample{ckpt}\n"
+            f"hardware: {hw.num_nodes} node(s) x {hw.num_devices_per_node} device(s), links "
+            f"{format_bytes(hw.intra_node_bandwidth)}/s + {format_seconds(hw.intra_node_latency)} "
+            f"intra-node, {format_bytes(hw.inter_node_bandwidth)}/s + "
+            f"{format_seconds(hw.inter_node_latency)} inter-node, device memory {mem}\n"
+            f"batch:    {report.batch_size_per_device} per device")
+
+
+def _run(args: argparse.Namespace) -> tuple[PlanReport, str]:
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad or not strategies:
+        raise _UsageError(f"--strategies: unknown {', '.join(bad) or '(empty)'}; "
+                          f"choose from {','.join(STRATEGIES)}")
+    inter_latency = args.latency if args.inter_node_latency is None else args.inter_node_latency
+    hardware = Hardware(
+        intra_node_bandwidth=args.bandwidth, intra_node_latency=args.latency,
+        inter_node_bandwidth=args.inter_node_bandwidth or args.bandwidth,
+        inter_node_latency=inter_latency, device_memory_bytes=args.device_memory,
+        num_devices_per_node=args.devices_per_node, num_nodes=args.nodes)
+    try:
+        report = plan(_profile(args), hardware, batch_size_per_device=args.batch_size,
+                      strategies=strategies, num_servers=args.num_servers,
+                      num_microbatches=args.microbatches, overlap=args.overlap)
+    except ValueError as exc:
+        flag = "--microbatches" if "num_microbatches" in str(exc) else "input"
+        raise _UsageError(f"{flag}: {exc}") from None
+    text = (f"{_describe(report)}\n\n{report.format_table()}\n\n"
+            f"recommendation: {report.recommendation}\nreason: {report.reason}")
+    return report, text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``paratrain plan``; returns the exit code (2 for bad input)."""
+    try:
+        args = _build_parser().parse_args(argv)
+        report, text = _run(args)
+        payload = json.dumps(report.to_dict(), indent=2)
+        if args.json == "-":
+            print(payload)
+            return 0
+        if args.json:
+            try:
+                with open(args.json, "w", encoding="utf-8") as fh:
+                    fh.write(payload + "\n")
+            except OSError as exc:
+                raise _UsageError(f"--json: cannot write {args.json!r}: {exc.strerror}") from None
+    except _UsageError as exc:
+        print(f"paratrain plan: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help / --version
+        return exc.code if isinstance(exc.code, int) else 0
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

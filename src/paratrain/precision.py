@@ -1,0 +1,100 @@
+"""Numeric precision as its own component: autocast, loss scaling, module casting."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.config import PRECISIONS
+
+
+class _StepThrough:
+    """Looks like the optimizer to GradScaler but steps through the strategy.
+
+    GradScaler.step() calls ``optimizer.step()`` itself when the gradients are
+    finite; routing that call through ``step_fn`` keeps strategy-specific steps
+    (e.g. a parameter server's) under the scaler's inf/nan check.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any]) -> None:
+        self._optimizer = optimizer
+        self._step_fn = step_fn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step_fn()
+
+
+class Precision:
+    """Precision policy of a run.
+
+    ``32``: float32 everywhere. ``bf16-mixed``: float32 weights, bfloat16 autocast
+    in forward. ``16-mixed``: float16 autocast plus a GradScaler that skips steps
+    whose gradients overflowed. ``bf16-true``: the module itself is cast to bfloat16.
+    """
+
+    def __init__(self, mode: str, device_type: str) -> None:
+        if mode not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {mode!r}")
+        self.mode = mode
+        self.device_type = device_type
+        self.scaler = torch.amp.GradScaler(device_type) if mode == "16-mixed" else None
+        # GradScaler tracks per-optimizer state by object identity, so unscale() and
+        # step() must see the same proxy object.
+        self._proxies: dict[int, _StepThrough] = {}
+
+    def _proxy(self, optimizer: torch.optim.Optimizer) -> _StepThrough:
+        if id(optimizer) not in self._proxies:
+            self._proxies[id(optimizer)] = _StepThrough(optimizer, optimizer.step)
+        return self._proxies[id(optimizer)]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.mode)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass (and the loss computed inside it)."""
+        dtype = self.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=dtype)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.mode == "bf16-true":
+            return module.to(torch.bfloat16)
+        return module
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        # float16 gradients underflow without scaling; the scaler divides it out again.
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring gradients back to their true scale (needed before clipping)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self._proxy(optimizer))
+
+    def step(self, optimizer: torch.optim.Optimizer, step_fn: Callable[[], Any]) -> bool:
+        """Run ``step_fn`` unless the scaler found inf/nan gradients; return whether it ran."""
+        if self.scaler is None:
+            step_fn()
+            return True
+        scale_before = self.scaler.get_scale()
+        proxy = self._proxy(optimizer)
+        proxy._step_fn = step_fn
+        self.scaler.step(proxy)
+        self.scaler.update()
+        # The scaler lowers its scale exactly when it skipped the step.
+        return self.scaler.get_scale() >= scale_before
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,56 @@
+"""Parallel strategies, by name. Each lives in its own module behind :class:`Strategy`."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from paratrain.strategies.base import Strategy
+from paratrain.topology import Topology
+
+# name -> "module:Class", imported lazily so a strategy's heavy imports cost nothing
+# until it is chosen.
+_REGISTRY: dict[str, str] = {
+    "single": "paratrain.strategies.single:SingleDevice",
+    "dp": "paratrain.strategies.dp:DataParallelStrategy",
+    "ddp": "paratrain.strategies.ddp:DDPStrategy",
+}
+
+
+def available_strategies() -> list[str]:
+    """Names accepted by ``Run(strategy=...)``, plus ``auto``."""
+    return sorted(_REGISTRY)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The class registered under ``name``; ValueError naming the choices otherwise."""
+    if name not in _REGISTRY:
+        choices = ", ".join(["auto", *available_strategies()])
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {choices}")
+    module_name, class_name = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def resolve_name(name: str, topology: Topology) -> str:
+    """``auto`` means ``ddp`` for a multi-process job and ``single`` otherwise."""
+    if name == "auto":
+        return "ddp" if topology.is_distributed else "single"
+    return name
+
+
+def create_strategy(name: str, topology: Topology, options: dict[str, Any] | None = None) -> Strategy:
+    """Build the strategy ``name`` with its options validated by its ``Options`` dataclass."""
+    cls = strategy_class(resolve_name(name, topology))
+    options = dict(options or {})
+    known = {f.name for f in dataclasses.fields(cls.Options)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(
+            f"strategy_options has unknown field(s) {unknown} for strategy {cls.name!r}; "
+            f"known: {sorted(known) or 'none'}"
+        )
+    return cls(topology, cls.Options(**options))
+
+
+__all__ = ["Strategy", "available_strategies", "create_strategy", "resolve_name", "strategy_class"]

@@ -1,0 +1,89 @@
+"""``ddp``: multi-process data parallel through ``DistributedDataParallel``.
+
+Gradients are averaged with ring all-reduce in buckets that start while the
+backward pass is still running, so communication overlaps computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from paratrain.strategies.base import Strategy
+
+
+@dataclass(frozen=True, kw_only=True)
+class DDPOptions:
+    """Options of the ``ddp`` strategy (see ``DistributedDataParallel``)."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size: smaller buckets start all-reduce earlier, larger ones amortise latency."""
+
+    find_unused_parameters: bool = False
+    """Set when some parameters get no gradient in a step (costs a graph traversal)."""
+
+    gradient_as_bucket_view: bool = True
+    """Gradients alias the communication buckets, saving one copy of the gradients."""
+
+    static_graph: bool = False
+    """Promise the graph is identical every step, enabling extra DDP optimisations."""
+
+    sync_buffers: bool = True
+    """Copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks at each forward."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+
+
+def _buffer_sync_kwargs(sync: bool) -> dict[str, bool]:
+    # torch 2.14 renamed broadcast_buffers to forward_sync_buffers; support both.
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": sync}
+    return {"broadcast_buffers": sync}
+
+
+class DDPStrategy(Strategy):
+    """Replicate the model on every process; all-reduce gradients during backward."""
+
+    name = "ddp"
+    Options = DDPOptions
+
+    def __init__(self, topology, options=None) -> None:
+        super().__init__(topology, options)
+        self._wrapped: list[DistributedDataParallel] = []
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.topology.device)
+        if not self.topology.is_distributed:
+            return model
+        device_ids = [self.topology.device.index] if self.topology.device.type == "cuda" else None
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            bucket_cap_mb=self.options.bucket_cap_mb,
+            find_unused_parameters=self.options.find_unused_parameters,
+            gradient_as_bucket_view=self.options.gradient_as_bucket_view,
+            static_graph=self.options.static_graph,
+            **_buffer_sync_kwargs(self.options.sync_buffers),
+        )
+        self._wrapped.append(ddp)
+        return ddp
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        if isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def teardown(self) -> None:
+        # Drop the reducers before the process group goes (see runtime.destroy_process_group).
+        for ddp in self._wrapped:
+            ddp.reducer = None  # type: ignore[assignment]
+        self._wrapped.clear()

@@ -1,0 +1,1 @@
+"""Test helpers for paratrain (multi-node harnesses and similar)."""

@@ -1,0 +1,104 @@
+"""Run a function on N local gloo ranks and collect what each returns.
+
+Used by the test suite (and usable by anyone testing a strategy): the worker
+is a module-level function ``fn(rank, world_size, *args)``; each rank gets the
+launcher environment (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` on a free port,
+...) so code under test discovers its topology exactly as under torchrun.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+class WorkerFailed(RuntimeError):
+    """A rank raised, died or timed out; the message holds its traceback or exit code."""
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, env: dict[str, str],
+           results: Any, args: tuple) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    try:
+        value = fn(rank, world_size, *args)
+        # Tensors are sent as bytes: torch's shared-memory passing would need the
+        # child alive until the parent has read them.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+          env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
+
+    Raises WorkerFailed naming the first rank that failed; every child is killed
+    before returning, so nothing is left behind.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    base_env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    procs = [
+        ctx.Process(target=_entry, args=(fn, rank, world_size, base_env, results, args))
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    try:
+
+        deadline = time.monotonic() + timeout
+        while len(collected) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerFailed(f"timed out after {timeout:.0f} s waiting for ranks "
+                                   f"{sorted(set(range(world_size)) - set(collected))}")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in collected]
+                if dead:
+                    raise WorkerFailed(f"rank {dead[0]} died with exit code "
+                                       f"{procs[dead[0]].exitcode}") from None
+                continue
+            if not ok:
+                raise WorkerFailed(f"rank {rank} raised:\n{value}")
+            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        for proc in procs:
+            proc.join(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    return [collected[r] for r in range(world_size)]

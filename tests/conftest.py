@@ -1,0 +1,52 @@
+"""Test hygiene: every test starts with a clean environment and no process group."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from paratrain.testing.spawn import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    """Restore os.environ after each test and start without launcher variables."""
+    saved = dict(os.environ)
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name in [n for n in os.environ if n.startswith("PARATRAIN_")]:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def destroy_process_groups():
+    """No test may leak a process group into the next."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable
+
+
+@pytest.fixture
+def paratrain_cmd() -> list[str]:
+    return [sys.executable, "-m", "paratrain.cli"]

@@ -1,0 +1,120 @@
+"""The launcher: fail-fast checks (pure), then real jobs through torch.distributed.run."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain import launch
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def parse(*argv):
+    return launch.build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["missing.py"], "script 'missing.py' not found"),
+        (["--nproc-per-node", "0", __file__], "--nproc-per-node must be an integer >= 1"),
+        (["--nproc-per-node", "two", __file__], "--nproc-per-node must be"),
+        (["--nnodes", "2", "--node-rank", "2", __file__], "--node-rank 2 is out of range"),
+        (["--nnodes", "0", __file__], "--nnodes must be"),
+        (["--nnodes", "1:2", __file__], "needs --rdzv-backend c10d"),
+        (["--max-restarts", "-1", __file__], "--max-restarts must be >= 0"),
+        (["--ps-servers", "0", __file__], "--ps-servers must be >= 1"),
+    ],
+)
+def test_invalid_requests_are_named(argv, message):
+    with pytest.raises(launch.LaunchError, match=message):
+        launch.validate(parse(*argv))
+
+
+def test_port_in_use_is_detected():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(launch.LaunchError, match=f"port {port} on 127.0.0.1 is in use"):
+            launch.validate(parse("--master-port", str(port), __file__))
+
+
+def test_torchrun_argv_picks_free_port_for_single_node():
+    argv = launch.torchrun_argv(parse("--nproc-per-node", "2", __file__, "--lr", "1"))
+    assert argv[argv.index("--master-port") + 1].isdigit()
+    assert argv[-1] == __file__
+    assert launch.script_args(parse(__file__, "--", "--lr", "1")) == ["--lr", "1"]
+
+
+def test_threads_split_cores_among_processes():
+    from paratrain.reporting import cpu_threads_per_process
+
+    assert cpu_threads_per_process(1) >= cpu_threads_per_process(2) >= 1
+    assert cpu_threads_per_process(10_000) == 1
+
+
+def run_cli(*argv, timeout=120, env=None):
+    return subprocess.run([sys.executable, "-m", "paratrain.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_bad_launch_exits_fast_with_one_line():
+    start = time.monotonic()
+    result = run_cli("launch", "--nproc-per-node", "2", "no_such_script.py", timeout=30)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "paratrain launch: script 'no_such_script.py' not found; check the path"]
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.slow
+def test_plain_ddp_script_runs_unchanged():
+    result = run_cli("launch", "--nproc-per-node", "2", str(SCRIPTS / "plain_ddp.py"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "plain ddp rank 0/2 ok threads=1" in result.stdout
+    assert "plain ddp rank 1/2 ok" in result.stdout
+
+
+@pytest.mark.slow
+def test_failed_worker_is_reported_in_one_line(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    result = run_cli("launch", "--nproc-per-node", "2", str(script))
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("paratrain launch: worker rank 1 (local rank 1) failed first with exit code 3")
+
+
+def tiny(tmp_path, name, *extra, env=None):
+    out = tmp_path / f"{name}.pt"
+    result = run_cli("launch", "--nproc-per-node", "2", str(SCRIPTS / "train_tiny.py"),
+                     "--out", str(out), *extra, env=env)
+    return result, out
+
+
+@pytest.mark.slow
+def test_kill_and_resume_mid_epoch_is_bitwise_identical(tmp_path):
+    import os
+
+    full, full_out = tiny(tmp_path, "full")
+    assert full.returncode == 0, full.stderr[-2000:]
+    ckpt = tmp_path / "ckpt"
+    args = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "4"]
+    # 200 samples / (8 x 2) = 13 steps per epoch: step 10 is mid-epoch 0, last save at 8.
+    env = {**os.environ, "PARATRAIN_KILL_AT_STEP": "10", "PARATRAIN_KILL_RANK": "1"}
+    killed, _ = tiny(tmp_path, "killed", *args, env=env)
+    assert killed.returncode != 0
+    assert "failed first with signal SIGKILL" in killed.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000004.pt", "step-000000008.pt"]
+    resumed, resumed_out = tiny(tmp_path, "resumed", *args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "step-000000008.pt" in resumed.stdout
+    expected, got = torch.load(full_out), torch.load(resumed_out)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name

@@ -1,0 +1,385 @@
+"""Tests of the analytic planner behind ``paratrain plan`` (hand-computed cases)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.plan import (
+    STRATEGIES,
+    Hardware,
+    ModelProfile,
+    allgather_time,
+    allreduce_time,
+    calibrate,
+    default_model,
+    exposed_comm_time,
+    format_bytes,
+    format_seconds,
+    main,
+    parse_bandwidth,
+    parse_duration,
+    parse_size,
+    plan,
+    predict,
+    ps_comm_time,
+    reduce_scatter_time,
+    ring_allgather_time,
+    ring_allreduce_time,
+    ring_reduce_scatter_time,
+)
+from paratrain.plan_model import ddp_buckets
+
+MB = 1e6
+
+
+def profile(**kw):
+    base = {"num_parameters": 1_000_000, "activation_bytes_per_sample": 1000.0,
+            "compute_time_per_sample": 1e-3, "num_layers": 8}
+    base.update(kw)
+    return ModelProfile(**base)
+
+
+def hardware(**kw):
+    base = {"intra_node_bandwidth": 1e9, "inter_node_bandwidth": 1e9, "intra_node_latency": 0.0,
+            "inter_node_latency": 0.0, "num_devices_per_node": 4}
+    base.update(kw)
+    return Hardware(**base)
+
+
+# --- collectives ---------------------------------------------------------------
+
+
+def test_ring_allreduce_100mb_4_ranks_1gbs():
+    # 2 * 3/4 * 100 MB / 1 GB/s = 150 ms, plus 2 * 3 latency terms.
+    assert ring_allreduce_time(100 * MB, 4, 1e9, 0.0) == pytest.approx(0.150)
+    assert ring_allreduce_time(100 * MB, 4, 1e9, 1e-5) == pytest.approx(0.150 + 6e-5)
+    assert ring_allreduce_time(100 * MB, 1, 1e9, 1e-5) == 0.0
+
+
+def test_ring_allgather_and_reduce_scatter_are_half_an_allreduce():
+    assert ring_allgather_time(100 * MB, 4, 1e9, 1e-5) == pytest.approx(0.075 + 3e-5)
+    assert ring_reduce_scatter_time(100 * MB, 4, 1e9, 1e-5) == pytest.approx(0.075 + 3e-5)
+
+
+def test_hierarchical_allreduce_two_nodes():
+    hw = hardware(intra_node_bandwidth=10e9, inter_node_bandwidth=1e9, num_nodes=2)
+    # intra reduce-scatter 7.5 ms + inter all-reduce of 25 MB over 2 nodes 25 ms + intra all-gather 7.5 ms
+    assert allreduce_time(100 * MB, hw) == pytest.approx(0.0075 + 0.025 + 0.0075)
+    # all-gather: inter-node of S/4 (12.5 ms) + intra-node of S (7.5 ms)
+    assert allgather_time(100 * MB, hw) == pytest.approx(0.0125 + 0.0075)
+    assert reduce_scatter_time(100 * MB, hw) == pytest.approx(0.0125 + 0.0075)
+
+
+def test_hierarchical_equals_ring_on_one_node():
+    hw = hardware(intra_node_latency=1e-5)
+    assert allreduce_time(100 * MB, hw) == pytest.approx(ring_allreduce_time(100 * MB, 4, 1e9, 1e-5))
+
+
+def test_ps_comm_time_and_traffic():
+    # 4 workers, 2 servers: each server moves 4 * (100 + 100) MB / 2 = 400 MB -> 0.4 s at 1 GB/s.
+    t = ps_comm_time(100 * MB, 100 * MB, num_workers=4, num_servers=2, bandwidth=1e9, latency=1e-4)
+    assert t == pytest.approx(0.4 + 2e-4)
+    pr = profile(num_parameters=25_000_000)  # 100 MB of fp32 parameters and gradients
+    p = predict("ps", pr, hardware(intra_node_latency=1e-4), batch_size_per_device=1, num_servers=2)
+    assert p.comm_time == pytest.approx(0.4 + 2e-4)
+    assert p.exposed_comm_time == p.comm_time  # synchronous: nothing hides
+    assert p.traffic_bytes == pytest.approx(400 * MB)
+
+
+def test_exposed_comm_overlap():
+    assert exposed_comm_time(1.0, 0.6, overlap=1.0, tail=0.1) == pytest.approx(0.4)
+    assert exposed_comm_time(1.0, 0.6, overlap=0.0, tail=0.1) == pytest.approx(1.0)
+    assert exposed_comm_time(1.0, 10.0, tail=0.1) == pytest.approx(0.1)  # only the last bucket
+    assert exposed_comm_time(0.05, 10.0, tail=0.1) == pytest.approx(0.05)
+
+
+def test_ddp_buckets_follow_first_bucket_rule():
+    mib = 1024 * 1024
+    assert ddp_buckets(10 * mib, 10) == pytest.approx([1 * mib, 9 * mib])
+    sizes = ddp_buckets(1000 * mib, 4)
+    assert sum(sizes) == pytest.approx(1000 * mib)
+    assert all(s <= 26 * mib for s in sizes)
+    assert ddp_buckets(100.0, 1) == [100.0]
+
+
+def test_ddp_small_model_exposes_its_single_bucket():
+    pr = profile(num_parameters=1000, num_layers=1)  # 4 KB: one bucket, ready at the very end
+    p = predict("ddp", pr, hardware(intra_node_latency=1e-5), batch_size_per_device=8)
+    assert p.exposed_comm_time == pytest.approx(p.comm_time)
+    assert p.step_time == pytest.approx(8e-3 + p.comm_time)
+
+
+# --- strategies ----------------------------------------------------------------
+
+
+def test_memory_per_strategy_n4():
+    # 1M params: 4 MB params, 4 MB grads, 8 MB Adam state; 10 samples x 1000 B activations.
+    report = plan(profile(), hardware(), batch_size_per_device=10)
+    act = 10 * 1000
+    expected = {
+        "single": 16 * MB, "ddp": 16 * MB, "dp": 16 * MB,
+        "ps": 8 * MB,  # optimizer lives on the servers
+        "zero1": 4 * MB + 4 * MB + 2 * MB,
+        "zero2": 4 * MB + 1 * MB + 2 * MB,
+        "fsdp": 4 * MB,
+        "pipeline": 4 * MB,  # 8 layers over 4 stages
+    }
+    for name, state in expected.items():
+        assert report.prediction(name).memory_bytes == pytest.approx(state + act), name
+
+
+def test_pipeline_bubble_fraction():
+    # p = 4 stages, m = 12 micro-batches: bubble (p-1)/(m+p-1) = 3/15; no comm cost at all.
+    pr = profile(activation_bytes_per_sample=0.0)
+    p = predict("pipeline", pr, hardware(intra_node_bandwidth=1e18), batch_size_per_device=12,
+                num_microbatches=12)
+    assert p.bubble_fraction == pytest.approx(0.2)
+    assert p.global_batch_size == 48
+    assert p.scaling_efficiency == pytest.approx(0.8)
+    assert p.bubble_time / p.step_time == pytest.approx(0.2)
+
+
+def test_pipeline_needs_enough_layers():
+    p = predict("pipeline", profile(num_layers=2), hardware(), batch_size_per_device=4)
+    assert not p.applicable
+    report = plan(profile(num_layers=2), hardware(), batch_size_per_device=4)
+    assert report.recommendation != "pipeline"
+
+
+def test_scaling_efficiency_is_one_on_one_device():
+    hw = hardware(num_devices_per_node=1, intra_node_latency=1e-4)
+    report = plan(profile(), hw, batch_size_per_device=16, strategies=[
+        "single", "ddp", "fsdp", "zero1", "zero2", "pipeline", "dp"])
+    for p in report.predictions:
+        assert p.scaling_efficiency == pytest.approx(1.0), p.strategy
+    assert report.recommendation == "single"  # ties go to the simplest
+
+
+def test_ddp_scales_perfectly_when_comm_hides():
+    pr = profile(num_parameters=10_000, compute_time_per_sample=0.1)
+    p = predict("ddp", pr, hardware(intra_node_bandwidth=1e12), batch_size_per_device=32)
+    assert p.samples_per_second == pytest.approx(4 * 32 / 3.2, rel=1e-3)
+    assert p.scaling_efficiency == pytest.approx(1.0, rel=1e-3)
+
+
+def test_fsdp_moves_three_halves_of_ddp_traffic():
+    pr = profile()
+    hw = hardware()
+    ddp = predict("ddp", pr, hw, batch_size_per_device=1)
+    fsdp = predict("fsdp", pr, hw, batch_size_per_device=1)
+    assert ddp.traffic_bytes == pytest.approx(2 * 3 / 4 * 4 * MB)
+    assert fsdp.traffic_bytes == pytest.approx(3 * 3 / 4 * 4 * MB)
+
+
+def test_activation_checkpointing_trades_memory_for_compute():
+    plain = profile(backward_fraction=2 / 3)
+    ckpt = profile(backward_fraction=2 / 3, activation_checkpointing=True)
+    assert ckpt.stored_activation_bytes_per_sample == pytest.approx(1000 * 2 / 8)
+    assert ckpt.step_compute_time_per_sample == pytest.approx(1e-3 * (1 + 1 / 3))
+    a = predict("single", plain, hardware(), batch_size_per_device=10)
+    b = predict("single", ckpt, hardware(), batch_size_per_device=10)
+    assert b.activation_memory == pytest.approx(a.activation_memory / 4)
+    assert b.step_time == pytest.approx(a.step_time * 4 / 3)
+
+
+def test_recommendation_fits_memory_when_ddp_does_not():
+    # 16 GB of model state, 8 GB devices: only zero2 (7 GB), fsdp and pipeline (4 GB) fit.
+    pr = profile(num_parameters=1_000_000_000, num_layers=32, compute_time_per_sample=0.05)
+    hw = hardware(device_memory_bytes=8 * 10**9, intra_node_bandwidth=100e9)
+    report = plan(pr, hw, batch_size_per_device=4)
+    assert report.prediction("ddp").fits is False
+    assert report.prediction("ddp").samples_per_second > report.prediction("fsdp").samples_per_second
+    assert report.recommendation == "fsdp"
+    assert report.prediction("fsdp").fits is True
+    assert "fits in 8 GB" in report.reason and "faster ddp would not fit" in report.reason
+
+
+def test_recommendation_without_memory_limit_and_when_nothing_fits():
+    report = plan(profile(), hardware(), batch_size_per_device=4, strategies=["ddp", "fsdp"])
+    assert all(p.fits is None for p in report.predictions)
+    assert "not checked" in report.reason
+    tiny = hardware(device_memory_bytes=1000)
+    report = plan(profile(), tiny, batch_size_per_device=4, strategies=["ddp", "fsdp", "zero1"])
+    assert report.recommendation == "fsdp"  # least memory
+    assert report.reason.startswith("No strategy fits")
+
+
+def test_report_table_and_dict():
+    report = plan(profile(), hardware(device_memory_bytes=10**9), batch_size_per_device=4)
+    lines = report.format_table().splitlines()
+    assert len(lines) == 2 + len(STRATEGIES)
+    assert lines[0].startswith("strategy") and set(lines[1]) <= {"-", " "}
+    col = lines[0].index("samples/s") + len("samples/s")  # right-aligned numbers end here
+    assert all(line[col - 1].isdigit() for line in lines[2:])
+    data = json.loads(json.dumps(report.to_dict()))
+    assert [p["strategy"] for p in data["predictions"]] == list(STRATEGIES)
+    assert data["recommendation"] == report.recommendation
+    assert data["hardware"]["num_devices_per_node"] == 4
+
+
+# --- validation ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("factory", "kwargs", "field"), [
+    (Hardware, {"num_nodes": 0}, "num_nodes"),
+    (Hardware, {"num_devices_per_node": 1.5}, "num_devices_per_node"),
+    (Hardware, {"intra_node_bandwidth": 0}, "intra_node_bandwidth"),
+    (Hardware, {"inter_node_latency": -1.0}, "inter_node_latency"),
+    (Hardware, {"device_memory_bytes": 0}, "device_memory_bytes"),
+    (profile, {"num_parameters": 0}, "num_parameters"),
+    (profile, {"num_parameters": True}, "num_parameters"),
+    (profile, {"compute_time_per_sample": 0.0}, "compute_time_per_sample"),
+    (profile, {"activation_bytes_per_sample": math.nan}, "activation_bytes_per_sample"),
+    (profile, {"backward_fraction": 1.5}, "backward_fraction"),
+    (profile, {"num_layers": 0}, "num_layers"),
+    (profile, {"activation_checkpointing": "yes"}, "activation_checkpointing"),
+])
+def test_dataclass_validation_names_the_field(factory, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        factory(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"batch_size_per_device": 0}, "batch_size_per_device"),
+    ({"batch_size_per_device": 4, "strategies": ["ddp", "magic"]}, "strategies"),
+    ({"batch_size_per_device": 4, "num_servers": 0}, "num_servers"),
+    ({"batch_size_per_device": 4, "overlap": 1.5}, "overlap"),
+    ({"batch_size_per_device": 1, "num_microbatches": 99}, "num_microbatches"),
+])
+def test_plan_validation_names_the_argument(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        plan(profile(), hardware(), **kwargs)
+
+
+# --- units ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("10Gbit", 1.25e9), ("200Mbit", 25e6), ("10Gbps", 1.25e9), ("10 Gbit/s", 1.25e9),
+    ("25GB", 25e9), ("1.5GB/s", 1.5e9), ("1GiB", 2**30), ("100Mb", 12.5e6), ("1e9", 1e9),
+])
+def test_parse_bandwidth(text, expected):
+    assert parse_bandwidth(text) == pytest.approx(expected)
+
+
+def test_parse_size_and_duration():
+    assert parse_size("16GB") == 16 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("8Gbit") == 10**9
+    assert parse_size("1024") == 1024
+    assert parse_duration("50us") == pytest.approx(50e-6)
+    assert parse_duration("50µs") == pytest.approx(50e-6)
+    assert parse_duration("1.5ms") == pytest.approx(1.5e-3)
+    assert parse_duration("2s") == 2.0
+    assert parse_duration("100ns") == pytest.approx(1e-7)
+    assert parse_duration("0.01") == 0.01
+
+
+@pytest.mark.parametrize("text", ["10G", "fast", "10Gx", "", "-5GB", "10GB/s/s"])
+def test_parse_bandwidth_rejects(text):
+    with pytest.raises(ValueError, match="cannot parse"):
+        parse_bandwidth(text)
+
+
+def test_parse_duration_rejects():
+    for text in ("50 parsecs", "1ms/s", "ms"):
+        with pytest.raises(ValueError, match="duration"):
+            parse_duration(text)
+
+
+def test_formatting():
+    assert format_bytes(16e9) == "16 GB"
+    assert format_bytes(1.25e9) == "1.25 GB"
+    assert format_bytes(12) == "12 B"
+    assert format_seconds(0.0123) == "12.3 ms"
+    assert format_seconds(0) == "0"
+
+
+# --- calibration ---------------------------------------------------------------
+
+
+def test_calibrate_tiny_model():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    pr = calibrate(model, torch.randn(5, 8), repeats=2)
+    assert pr.num_parameters == 8 * 16 + 16 + 16 * 4 + 4
+    assert pr.param_bytes == 4
+    # Saved for backward: the input (8 floats) and the ReLU output (16 floats, shared by the
+    # second Linear); the weights are parameters and do not count.
+    assert pr.activation_bytes_per_sample == pytest.approx((8 + 16) * 4)
+    assert pr.compute_time_per_sample > 0
+    assert 0 <= pr.backward_fraction <= 1
+    assert pr.num_layers == 2
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_calibrate_default_convnet_and_custom_loss():
+    model = default_model()
+    pr = calibrate(model, torch.randn(2, 1, 28, 28), loss_fn=lambda out: out.pow(2).mean(),
+                   repeats=1)
+    assert pr.num_parameters == 431_242
+    assert pr.num_layers == 4
+    assert pr.activation_bytes_per_sample > 28 * 28 * 4
+
+
+def test_calibrate_rejects_bad_input():
+    with pytest.raises(ValueError, match="repeats"):
+        calibrate(nn.Linear(2, 2), torch.randn(1, 2), repeats=0)
+    with pytest.raises(ValueError, match="no parameters"):
+        calibrate(nn.ReLU(), torch.randn(1, 2))
+
+
+# --- command line ----------------------------------------------------------------
+
+
+def test_cli_json_output(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = main(["--num-parameters", "1000000000", "--layers", "32", "--time-per-sample", "30ms",
+                 "--activation-bytes", "100MB", "--devices-per-node", "8", "--nodes", "2",
+                 "--bandwidth", "100GB", "--inter-node-bandwidth", "100Gbit", "--latency", "5us",
+                 "--batch-size", "4", "--device-memory", "16GB", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["hardware"]["inter_node_bandwidth"] == pytest.approx(12.5e9)
+    assert data["hardware"]["device_memory_bytes"] == 16 * 10**9
+    assert len(data["predictions"]) == len(STRATEGIES)
+    ddp = next(p for p in data["predictions"] if p["strategy"] == "ddp")
+    assert ddp["fits"] is False
+    assert data["recommendation"] != "ddp"
+    printed = capsys.readouterr().out
+    assert "recommendation: " + data["recommendation"] in printed
+
+
+def test_cli_calibrates_default_and_named_model(capsys):
+    assert main(["--strategies", "ddp,fsdp", "--batch-size", "4", "--repeats", "1",
+                 "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["profile"]["num_parameters"] == 431_242
+    assert [p["strategy"] for p in data["predictions"]] == ["ddp", "fsdp"]
+    assert main(["--model", "paratrain.plan:default_model", "--input-shape", "1,28,28",
+                 "--strategies", "single", "--batch-size", "2", "--repeats", "1"]) == 0
+    assert "single" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["--bandwidth", "10Gx"], "--bandwidth"),
+    (["--latency", "fast"], "--latency"),
+    (["--nodes", "0"], "--nodes"),
+    (["--device-memory", "lots"], "--device-memory"),
+    (["--strategies", "ddp,magic"], "--strategies"),
+    (["--overlap", "2"], "--overlap"),
+    (["--model", "no_such_module_xyz:make"], "--model"),
+    (["--model", "nocolon"], "--model"),
+    (["--input-shape", "1,x"], "--input-shape"),
+    (["--input-shape", "3,32,32", "--repeats", "1"], "--input-shape"),
+    (["--num-parameters", "10", "--model", "a:b"], "--model"),
+    (["--num-parameters", "100", "--batch-size", "1", "--microbatches", "9"], "--microbatches"),
+])
+def test_cli_bad_input_exits_2_with_one_line(argv, flag, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err, err
