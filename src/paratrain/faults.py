@@ -7,6 +7,10 @@
     job does not die at the same step again.
 ``PARATRAIN_KILL_RANK=R``
     Only rank ``R`` is killed (default: every rank).
+``PARATRAIN_TERM_AT_STEP=S``
+    Like ``PARATRAIN_KILL_AT_STEP`` (and limited by ``PARATRAIN_KILL_RANK``), but
+    sends SIGTERM: with a checkpoint directory the job saves after the next step
+    and exits with 143 (see :mod:`paratrain.signals`).
 ``PARATRAIN_STRAGGLER=R:SECONDS``
     Rank ``R`` sleeps ``SECONDS`` after every optimizer step (a slow worker).
 """
@@ -25,17 +29,17 @@ class FaultPlan:
     """The faults this rank injects; the default injects none."""
 
     kill_at_step: int | None = None
+    term_at_step: int | None = None
     delay_s: float = 0.0
 
     @classmethod
     def from_env(cls, *, rank: int, environ: Mapping[str, str] | None = None) -> FaultPlan:
         environ = os.environ if environ is None else environ
-        kill_at = None
-        if environ.get("PARATRAIN_KILL_AT_STEP"):
-            target = environ.get("PARATRAIN_KILL_RANK", "")
-            first_attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
-            if first_attempt and (target == "" or int(target) == rank):
-                kill_at = int(environ["PARATRAIN_KILL_AT_STEP"])
+        target = _int(environ, "PARATRAIN_KILL_RANK")
+        first_attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
+        chosen = first_attempt and (target is None or target == rank)
+        kill_at = _int(environ, "PARATRAIN_KILL_AT_STEP") if chosen else None
+        term_at = _int(environ, "PARATRAIN_TERM_AT_STEP") if chosen else None
         delay = 0.0
         straggler = environ.get("PARATRAIN_STRAGGLER", "")
         if straggler:
@@ -47,7 +51,7 @@ class FaultPlan:
                 raise ValueError(
                     f"PARATRAIN_STRAGGLER={straggler!r} must look like RANK:SECONDS, e.g. 1:0.05"
                 ) from None
-        return cls(kill_at_step=kill_at, delay_s=delay)
+        return cls(kill_at_step=kill_at, term_at_step=term_at, delay_s=delay)
 
     def after_step(self, global_step: int) -> None:
         """Called after every optimizer step."""
@@ -55,3 +59,15 @@ class FaultPlan:
             time.sleep(self.delay_s)
         if self.kill_at_step is not None and global_step == self.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.term_at_step is not None and global_step == self.term_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name, "")
+    if raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be an integer") from None

@@ -13,6 +13,7 @@ import argparse
 import os
 import socket
 import sys
+import time
 from collections.abc import Sequence
 
 from paratrain.reporting import cpu_threads_per_process
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="restart all workers up to N times after a failure")
     add("--monitor-interval", "--monitor_interval", type=float, default=0.1,
         help="seconds between checks of worker health")
+    add("--join-timeout", type=float, default=300.0,
+        help="seconds a node waits for the master / the other nodes before failing")
     add("--standalone", action="store_true",
         help="single-node job with a local rendezvous on a free port")
     add("--ps-servers", type=int, default=None,
@@ -117,6 +120,8 @@ def validate(args: argparse.Namespace) -> None:
         raise LaunchError("--nnodes MIN:MAX needs --rdzv-backend c10d (static needs a fixed size)")
     if args.max_restarts < 0:
         raise LaunchError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.join_timeout > 0:
+        raise LaunchError(f"--join-timeout must be > 0 seconds, got {args.join_timeout}")
     if not (args.module or args.no_python) and not os.path.isfile(args.script):
         raise LaunchError(f"script {args.script!r} not found; check the path")
     if args.ps_servers is not None and args.ps_servers < 1:
@@ -139,7 +144,13 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--nnodes", args.nnodes, "--nproc-per-node", str(args.nproc_per_node),
             "--max-restarts", str(args.max_restarts),
             "--monitor-interval", str(args.monitor_interval)]
-    if args.standalone:
+    single_node = _parse_nnodes(args.nnodes)[1] == 1
+    # Static rendezvous shares one store across restarts, and restarted workers can
+    # read a dead attempt's addresses; a local c10d rendezvous gives each attempt
+    # a fresh store (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, set in main).
+    restartable = (args.rdzv_backend == "static" and single_node and args.max_restarts > 0
+                   and args.master_port is None)
+    if args.standalone or restartable:
         argv.append("--standalone")
     elif args.rdzv_backend == "static":
         port = args.master_port
@@ -150,8 +161,13 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     else:
         argv += ["--rdzv-backend", args.rdzv_backend, "--rdzv-endpoint", args.rdzv_endpoint,
                  "--rdzv-id", args.rdzv_id]
-    if args.rdzv_conf:
-        argv += ["--rdzv-conf", args.rdzv_conf]
+    # Bounded waits: torch's defaults let a node wait 10-15 minutes for missing peers.
+    static = args.rdzv_backend == "static" and not (args.standalone or restartable)
+    key = "timeout" if static else "join_timeout"
+    conf = [c for c in args.rdzv_conf.split(",") if c]
+    if not any(c.split("=")[0].strip() == key for c in conf):
+        conf.append(f"{key}={max(1, round(args.join_timeout))}")
+    argv += ["--rdzv-conf", ",".join(conf)]
     if args.local_addr:
         argv += ["--local-addr", args.local_addr]
     if args.module:
@@ -159,6 +175,28 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     if args.no_python:
         argv.append("--no-python")
     return [*argv, args.script]
+
+
+def wait_for_master(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection; LaunchError after ``timeout_s``.
+
+    Node 0 may start later than the others, so a refused connection is retried.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.2, min(2.0, left))):
+                return
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+        if time.monotonic() + 0.5 >= deadline:
+            raise LaunchError(
+                f"master {host}:{port} is unreachable after {timeout_s:g} s ({reason}); start "
+                "node 0 first, or check --master-addr/--master-port and the firewall "
+                "(--join-timeout sets the wait)"
+            )
+        time.sleep(0.5)
 
 
 def script_args(args: argparse.Namespace) -> list[str]:
@@ -180,9 +218,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         validate(args)
+        if (args.rdzv_backend == "static" and not args.standalone and args.node_rank > 0):
+            wait_for_master(args.master_addr, args.master_port or 29500, args.join_timeout)
     except LaunchError as exc:
         print(f"paratrain launch: {exc}", file=sys.stderr)
         return 2
+    # Restarted workers otherwise may reuse the agent's store address of a dead
+    # attempt and fail to rendezvous (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Without this, every process would start one thread per core and they would
     # fight over the same cores.
     threads = cpu_threads_per_process(_local_process_count(str(args.nproc_per_node)))
@@ -217,5 +260,16 @@ def describe_failure(exc: BaseException) -> str:
     if failure.exitcode < 0:
         how = f"signal {failure.signal_name()}"
     more = f" ({len(failures) - 1} other worker(s) also failed)" if len(failures) > 1 else ""
+    # The worker's own one-line error, if it recorded one in torchrun's error file.
+    said = ""
+    message, stack = failure.message, ""
+    if isinstance(message, dict):  # torchrun's error-file format
+        stack = message.get("extraInfo", {}).get("py_callstack", "")
+        message = message.get("message", "")
+    if failure.error_file and os.path.isfile(failure.error_file) and message:
+        said = f": {str(message).strip().splitlines()[0][:300]}"
+    # paratrain's one-line errors record no traceback (the stack is the message itself).
+    where = said if said and stack.strip() == str(message).strip() else (
+        f"{said}; its traceback is above")
     return (f"worker rank {rank} (local rank {failure.local_rank}) failed first with {how}"
-            f"{more}; its traceback is above")
+            f"{more}{where}")

@@ -1,4 +1,4 @@
-"""Numeric precision as its own component: autocast, loss scaling, module casting."""
+"""Numeric precision as its own component: autocast, loss scaling, module and input casting."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from paratrain.config import PRECISIONS
+
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 class _StepThrough:
@@ -31,12 +33,31 @@ class _StepThrough:
         return self._step_fn()
 
 
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a (nested) value to ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    return value
+
+
 class Precision:
     """Precision policy of a run.
 
     ``32``: float32 everywhere. ``bf16-mixed``: float32 weights, bfloat16 autocast
     in forward. ``16-mixed``: float16 autocast plus a GradScaler that skips steps
-    whose gradients overflowed. ``bf16-true``: the module itself is cast to bfloat16.
+    whose gradients overflowed (its state is saved in checkpoints). ``bf16-true``:
+    the module itself is cast to bfloat16, floating inputs are cast on the way in
+    and outputs back to float32 on the way out.
+
+    Example:
+        >>> precision = Precision("bf16-mixed", "cpu")
+        >>> out = precision.forward(torch.nn.Linear(4, 2), torch.randn(3, 4))
+        >>> out.dtype
+        torch.bfloat16
     """
 
     def __init__(self, mode: str, device_type: str) -> None:
@@ -48,6 +69,8 @@ class Precision:
         # GradScaler tracks per-optimizer state by object identity, so unscale() and
         # step() must see the same proxy object.
         self._proxies: dict[int, _StepThrough] = {}
+        self.skipped_steps = 0
+        """Optimizer steps the scaler skipped because gradients held inf/nan."""
 
     def _proxy(self, optimizer: torch.optim.Optimizer) -> _StepThrough:
         if id(optimizer) not in self._proxies:
@@ -56,7 +79,7 @@ class Precision:
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
-        return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(self.mode)
+        return _AUTOCAST_DTYPES.get(self.mode)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Context for the forward pass (and the loss computed inside it)."""
@@ -64,6 +87,15 @@ class Precision:
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=dtype)
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call a module's forward under this policy (autocast or true-half casting)."""
+        if self.mode == "bf16-true":
+            args, kwargs = _cast_floating((args, kwargs), torch.bfloat16)
+            # Losses and metrics computed outside the model stay in float32.
+            return _cast_floating(fn(*args, **kwargs), torch.float32)
+        with self.autocast():
+            return fn(*args, **kwargs)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.mode == "bf16-true":
@@ -84,13 +116,17 @@ class Precision:
         if self.scaler is None:
             step_fn()
             return True
-        scale_before = self.scaler.get_scale()
         proxy = self._proxy(optimizer)
-        proxy._step_fn = step_fn
+        stepped: list[Any] = []
+        proxy._step_fn = lambda: stepped.append(step_fn())
+        # GradScaler.step unscales (unless done for clipping), checks every gradient
+        # for inf/nan and calls proxy.step() only when all are finite. Under DDP the
+        # gradients are already all-reduced, so every rank takes the same decision.
         self.scaler.step(proxy)
         self.scaler.update()
-        # The scaler lowers its scale exactly when it skipped the step.
-        return self.scaler.get_scale() >= scale_before
+        if not stepped:
+            self.skipped_steps += 1
+        return bool(stepped)
 
     def state_dict(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain import faults
+from paratrain import faults, health, signals
+from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.config import RunConfig
 from paratrain.data import DistributedLoader, ShardedSampler
+from paratrain.losses import GlobalCount
 from paratrain.precision import Precision
 from paratrain.reporting import MetricsLog, Reporter
 from paratrain.run_state import RunState
@@ -56,6 +58,10 @@ class Run:
     """
 
     def __init__(self, *, environ: dict[str, str] | None = None, **config: Any) -> None:
+        # Bad input and lost peers end the process with one line, not a traceback.
+        signals.install_excepthook()
+        if "timeout_s" not in config and (env_timeout := health.env_timeout_s()) is not None:
+            config["timeout_s"] = env_timeout
         self.config = RunConfig(**config)
         self.topology = Topology.from_env(environ, accelerator=self.config.accelerator)
         self._closed = False
@@ -64,10 +70,28 @@ class Run:
             self.strategy = create_strategy(
                 self.config.strategy, self.topology, self.config.strategy_options
             )
+            self.strategy.timeout_s = self.config.timeout_s
         except BaseException:
             self.close()
             raise
         self.precision = Precision(self.config.precision, self.topology.device.type)
+        try:
+            self.strategy.configure_precision(self.precision)
+            # Once, cheaply: a node started with other settings fails here, not mid-run.
+            self._health = health.HealthMonitor(topology=self.topology,
+                                                every=health.health_every())
+            self._health.check_config(self.config)
+        except BaseException:
+            self.close()
+            raise
+        # Step checks and the SIGTERM agreement need every rank to take every step
+        # (not so for parameter servers or pipeline stages).
+        lockstep = self.strategy.data_parallel_size == self.world_size
+        if not lockstep:
+            self._health.every = 0
+        self._stop = signals.GracefulStop(
+            group=self._health.group,
+            enabled=self.config.checkpoint_dir is not None and lockstep)
         metrics = None
         if self.topology.is_main and (self.config.metrics_path or self.config.tensorboard_dir):
             metrics = MetricsLog(self.config.metrics_path, self.config.tensorboard_dir)
@@ -81,6 +105,9 @@ class Run:
         self.state = RunState(self)
         self.epoch_stats: list[dict[str, float]] = []
         self._micro_step = 0
+        self._counts = GlobalCount()
+        self.last_grad_norm: float | None = None
+        """Global gradient norm before clipping at the last step (with ``max_grad_norm``)."""
         self._sync_context: contextlib.ExitStack | None = None
         self._train_loader: DistributedLoader | None = None
         self._epoch_start = (0, time.perf_counter())
@@ -116,6 +143,8 @@ class Run:
         After this, every rank draws different random numbers (dropout, augmentation):
         the global RNGs are reseeded with ``seed + 1 + rank``.
         """
+        if self.config.checkpoint_activations is not None:
+            apply_activation_checkpointing(model, self.config.checkpoint_activations)
         model = self.precision.convert_module(model)
         model = self.strategy.setup_model(model)
         if optimizer is not None:
@@ -189,7 +218,7 @@ class Run:
             self._epoch_start = (self.state.start_epoch(epoch), time.perf_counter())
             yield epoch
             self._finish_accumulation()
-            stats = {"epoch": epoch, **self.epoch_throughput()}
+            stats = {"epoch": epoch, **self.epoch_throughput(), **self.strategy.metrics()}
             self.epoch_stats.append(stats)
             self.reporter.log(stats, step=self.global_step)
             self.state.epoch = epoch + 1
@@ -214,13 +243,22 @@ class Run:
         return self.reporter.progress(batches, total_samples=remaining,
                                       samples_per_batch=per_batch, desc=desc)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward pass of ``loss``, scaled for accumulation and precision."""
+    def backward(self, loss: torch.Tensor, *, count: torch.Tensor | float | None = None) -> None:
+        """Backward pass of ``loss``, scaled for accumulation and precision.
+
+        Without ``count``, ``loss`` is a mean and the update is the mean over the
+        micro-batches of the accumulation group. With ``count``, ``loss`` is a *sum*
+        over ``count`` elements (tokens, samples, total weight) of this micro-batch,
+        and the update is divided by the count summed over all ranks and micro-steps
+        (see :mod:`paratrain.losses`).
+        """
+        self._counts.add(count)
         # The update must be the mean over all micro-batches of the group, so each
         # micro-batch's loss counts 1/accumulate.
-        if self.config.accumulate > 1:
+        if self.config.accumulate > 1 and count is None:
             loss = loss / self.config.accumulate
-        self.strategy.backward(self.precision.scale_loss(loss))
+        with self._guard_peers():
+            self.strategy.backward(self.precision.scale_loss(loss))
         if self._sync_context is not None:
             self._sync_context.close()
             self._sync_context = None
@@ -228,29 +266,52 @@ class Run:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """End a micro-step; on the last one of an accumulation group, update the weights.
 
-        Returns True when the optimizer stepped. Gradients are zeroed after a step.
+        Returns True at the end of a group: the optimizer stepped (or, with
+        ``16-mixed``, the scaler skipped an overflowed step; see
+        ``run.precision.skipped_steps``). Gradients are zeroed after it.
         """
         boundary = self._at_boundary()
         self._micro_step += 1
         if not boundary:
             return False
-        self._optimizer_step(optimizer)
+        with self._guard_peers():
+            self._optimizer_step(optimizer)
         return True
+
+    @contextlib.contextmanager
+    def _guard_peers(self) -> Iterator[None]:
+        """Turn a failed collective into a PeerLostError naming the lost rank and host."""
+        try:
+            yield
+        except RuntimeError as exc:
+            monitor = getattr(self, "_health", None)
+            if monitor is None or not monitor.is_peer_failure(exc):
+                raise
+            self._peer_lost = True
+            raise monitor.lost_peer_error(exc) from exc
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         group_size = self._micro_step
-        if group_size < self.config.accumulate:
+        correction = 1.0
+        if self._counts.active:
+            # Summed losses: divide by the global count of the group (all ranks).
+            correction = self._counts.gradient_factor(self.strategy)
+        elif group_size < self.config.accumulate:
             # Documented rule for a partial group at the end of an epoch: it is
             # stepped as a smaller batch, i.e. the mean over the micro-batches it has.
             correction = self.config.accumulate / group_size
+        self._counts.reset()
+        if correction != 1.0:
             for model in self.state.models:
                 for p in model.parameters():
                     if p.grad is not None:
                         p.grad.mul_(correction)
         if self.config.max_grad_norm is not None:
+            # The norm must be of the true gradients, so the scaler's factor goes first.
             self.precision.unscale(optimizer)
-            for model in self.state.models:
-                self.strategy.clip_grad_norm(model, self.config.max_grad_norm)
+            norms = [self.strategy.clip_grad_norm(m, self.config.max_grad_norm)
+                     for m in self.state.models]
+            self.last_grad_norm = float(torch.stack([n.float() for n in norms]).norm())
         stepped = self.precision.step(optimizer, lambda: self.strategy.optimizer_step(optimizer))
         optimizer.zero_grad(set_to_none=True)
         if stepped:
@@ -259,9 +320,22 @@ class Run:
         self._micro_step = 0
         self.state.global_step += 1
         self._faults.after_step(self.state.global_step)
+        cursor = self._train_loader.cursor if self._train_loader is not None else None
+        self._health.after_step(global_step=self.state.global_step,
+                                epoch=cursor.epoch if cursor else self.state.epoch,
+                                offset=cursor.offset if cursor else 0)
         every = self.config.checkpoint_every
-        if every and self.state.global_step % every == 0:
+        saved = bool(every and self.state.global_step % every == 0)
+        if saved:
             self.save()
+        if self._stop.should_stop():
+            # SIGTERM: every rank stops after this same step, with a checkpoint to resume from.
+            if not saved:
+                self.save()
+            self.print(f"paratrain: SIGTERM received; saved step {self.global_step} to "
+                       f"{self.config.checkpoint_dir}, exiting")
+            self.close()
+            raise SystemExit(signals.EXIT_SIGTERM)
 
     def _at_boundary(self) -> bool:
         if (self._micro_step + 1) % self.config.accumulate == 0:
@@ -276,6 +350,7 @@ class Run:
             for optimizer in self.state.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             self._micro_step = 0
+        self._counts.reset()
 
     def _wrap_forward(self, model: nn.Module) -> None:
         original = model.forward
@@ -287,8 +362,8 @@ class Run:
                 # gradients accumulate locally; the context closes after backward.
                 self._sync_context = contextlib.ExitStack()
                 self._sync_context.enter_context(self.strategy.no_sync(model))
-            with self.precision.autocast():
-                return original(*args, **kwargs)
+            with self._guard_peers():  # DDP's forward may communicate (buffers)
+                return self.precision.forward(original, *args, **kwargs)
 
         model.forward = forward  # type: ignore[method-assign]
 
@@ -305,9 +380,12 @@ class Run:
         was_training = module.training
         module.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for x, y in loader:
-            with self.precision.autocast():
-                out = module(x)
+        # Sharded strategies run uncounted stand-in batches so every rank's forward
+        # (which communicates) runs equally often.
+        for (x, y), counted in self.strategy.evaluation_batches(loader):
+            out = self.precision.forward(module, x)
+            if not counted:
+                continue
             totals[0] += loss_fn(out.float(), y).double()
             totals[1] += (out.argmax(dim=-1) == y).sum()
             totals[2] += y.numel()
@@ -321,7 +399,8 @@ class Run:
                                  device=self.device)
         if not tensor.is_floating_point():
             tensor = tensor.double()
-        result = self.strategy.all_reduce(tensor.float() if op == "mean" else tensor, op)
+        with self._guard_peers():
+            result = self.strategy.all_reduce(tensor.float() if op == "mean" else tensor, op)
         return result.item() if result.numel() == 1 else result
 
     def mean(self, value: Any) -> Any:
@@ -368,6 +447,9 @@ class Run:
             self.reporter.close()
         if hasattr(self, "state"):
             self.state.release()
+        if hasattr(self, "_stop"):
+            # After a lost peer the pending agreement can only time out: do not wait for it.
+            self._stop.close(wait=not getattr(self, "_peer_lost", False))
         if hasattr(self, "strategy"):
             self.strategy.teardown()
         if self._owns_group:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from paratrain import checkpoint
@@ -82,12 +81,8 @@ class RunState:
         return cursor
 
     def _gather_rng(self) -> torch.Tensor:
-        blob = checkpoint.rng_state()
-        if not dist.is_initialized():
-            return blob.unsqueeze(0)
-        parts = [torch.empty_like(blob) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, blob)
-        return torch.stack(parts)
+        # Through the strategy: ranks that never save (parameter servers) take no part.
+        return self._run.strategy.gather_rng_states(checkpoint.rng_state())
 
     def save(self, directory: str | os.PathLike | None) -> str | None:
         run = self._run
@@ -104,20 +99,30 @@ class RunState:
             "global_step": self.global_step,
             "epoch": cursor.epoch,
             "cursor": {"epoch": cursor.epoch, "offset": cursor.offset},
-            # State dicts may be collective (sharded strategies): every rank calls them.
-            "models": [strategy.model_state_dict(m) for m in self.models],
-            "optimizers": [
-                strategy.optimizer_state_dict(self.models[0], o) for o in self.optimizers
-            ],
             "schedulers": [s.state_dict() for s in self.schedulers],
             "precision": run.precision.state_dict(),
             "rng": self._gather_rng(),
         }
         path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
+        if strategy.replicated:
+            # State dicts may be collective (sharded strategies): every rank calls them.
+            state["models"] = [strategy.model_state_dict(m) for m in self.models]
+            state["optimizers"] = [
+                strategy.optimizer_state_dict(self.models[0], o) for o in self.optimizers
+            ]
+        else:
+            # Every rank writes its own shards (torch.distributed.checkpoint) next to the
+            # small file, which rank 0 writes last: its presence marks a complete checkpoint.
+            sharded = path.with_suffix(".dcp")
+            strategy.save_sharded_state(str(sharded), self.models, self.optimizers)
+            state.update(models=[], optimizers=[], sharded=sharded.name,
+                         num_models=len(self.models))
+            strategy.barrier()
         written = None
-        if run.is_main or not strategy.replicated:
+        if run.is_main:
             written = str(checkpoint.atomic_save(state, path))
             checkpoint.prune(directory, run.config.keep_checkpoints)
+            _prune_sharded(Path(directory))
         # Nobody continues (and may be killed) before the file is complete.
         strategy.barrier()
         return written
@@ -126,11 +131,23 @@ class RunState:
     def load(self, path: str | os.PathLike) -> None:
         run = self._run
         state = checkpoint.safe_load(path)
-        if len(state["models"]) != len(self.models):
+        num_models = state.get("num_models", len(state["models"]))
+        if num_models != len(self.models):
             raise CheckpointError(
-                f"checkpoint {path} holds {len(state['models'])} model(s) but "
+                f"checkpoint {path} holds {num_models} model(s) but "
                 f"{len(self.models)} were prepared; call run.prepare() before loading"
             )
+        if state.get("sharded"):
+            # Written by a sharded strategy: any strategy, at any world size, reads it.
+            try:
+                run.strategy.load_sharded_state(str(Path(path).parent / state["sharded"]),
+                                                self.models, self.optimizers)
+            except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
+                reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                raise CheckpointError(
+                    f"sharded checkpoint {path} does not match the model or optimizer "
+                    f"({type(exc).__name__}: {reason})"
+                ) from None
         for model, model_state in zip(self.models, state["models"]):
             try:
                 run.strategy.load_model_state_dict(model, model_state)
@@ -154,7 +171,7 @@ class RunState:
         self.epoch = int(state["epoch"])
         self._resume_cursor = DataCursor(**state["cursor"])
         rng = state["rng"]
-        if int(state["world_size"]) == run.world_size and rng.shape[0] == run.world_size:
+        if int(state["world_size"]) == run.world_size and run.rank < rng.shape[0]:
             checkpoint.set_rng_state(rng[run.rank])
         else:
             # Another world size: per-rank streams cannot be mapped; derive fresh ones.
@@ -162,3 +179,13 @@ class RunState:
 
             seed_everything(run.config.seed + 1 + run.rank + 7919 * self.global_step)
         self._resume_checked = True
+
+
+def _prune_sharded(directory: Path) -> None:
+    """Delete shard directories whose small checkpoint file was pruned (or never finished)."""
+    import shutil
+
+    kept = {p.with_suffix(".dcp").name for p in checkpoint.list_checkpoints(directory)}
+    for shard_dir in directory.glob("step-*.dcp"):
+        if shard_dir.is_dir() and shard_dir.name not in kept:
+            shutil.rmtree(shard_dir, ignore_errors=True)

@@ -15,6 +15,11 @@ _REGISTRY: dict[str, str] = {
     "single": "paratrain.strategies.single:SingleDevice",
     "dp": "paratrain.strategies.dp:DataParallelStrategy",
     "ddp": "paratrain.strategies.ddp:DDPStrategy",
+    "ps": "paratrain.strategies.ps:PSStrategy",
+    "fsdp": "paratrain.strategies.fsdp:FSDPStrategy",
+    "pipeline": "paratrain.strategies.pipeline:PipelineStrategy",
+    "hybrid": "paratrain.strategies.hybrid:HybridStrategy",
+    "mp": "paratrain.strategies.model_parallel:ModelParallelStrategy",
 }
 
 

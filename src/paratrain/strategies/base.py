@@ -7,6 +7,7 @@ The training loop only ever talks to this interface, so adding a strategy
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,6 +37,8 @@ class Strategy:
     Options: ClassVar[type] = NoOptions
     replicated: ClassVar[bool] = True
     """Every data-parallel rank holds the full model: rank 0 alone writes checkpoints."""
+    timeout_s: float = 300.0
+    """Seconds to wait for a peer before failing; the Run sets it from ``RunConfig.timeout_s``."""
 
     def __init__(self, topology: Topology, options: Any = None) -> None:
         self.topology = topology
@@ -67,6 +70,18 @@ class Strategy:
         """The user's module inside whatever wrapper ``setup_model`` added."""
         return model
 
+    def configure_precision(self, precision: Any) -> None:
+        """Adopt the run's :class:`~paratrain.precision.Precision` (e.g. FSDP's dtype policy).
+
+        Called once, before ``setup_model``; raise ValueError for an unsupported mode.
+        """
+
+    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        """Yield ``(batch, counted)``; strategies with collectives in forward pad with
+        uncounted batches so that every rank runs the same number of forwards."""
+        for batch in batches:
+            yield batch, True
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -96,6 +111,27 @@ class Strategy:
     ) -> None:
         optimizer.load_state_dict(state)
 
+    def checkpoint_module(self, model: nn.Module) -> nn.Module:
+        """The module whose (fully-qualified) state a sharded checkpoint stores."""
+        return self.unwrap(model)
+
+    def save_sharded_state(self, directory: str, models: list[nn.Module],
+                           optimizers: list[torch.optim.Optimizer]) -> None:
+        """Write models and optimizers with ``torch.distributed.checkpoint`` (collective).
+
+        Used instead of the single-file path when the strategy is not ``replicated``.
+        """
+        from paratrain.strategies.sharded import save_sharded
+
+        save_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
+
+    def load_sharded_state(self, directory: str, models: list[nn.Module],
+                           optimizers: list[torch.optim.Optimizer]) -> None:
+        """Load what :meth:`save_sharded_state` wrote, at any world size (collective)."""
+        from paratrain.strategies.sharded import load_sharded
+
+        load_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
+
     # -- collectives over the data-parallel group ------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` (a copy) across data-parallel ranks; ``op`` is sum, mean, max or min."""
@@ -119,6 +155,18 @@ class Strategy:
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+    def gather_rng_states(self, blob: torch.Tensor) -> torch.Tensor:
+        """Every checkpointing rank's RNG ``blob``, stacked by global rank (collective)."""
+        if not dist.is_initialized():
+            return blob.unsqueeze(0)
+        parts = [torch.empty_like(blob) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, blob)
+        return torch.stack(parts)
+
+    def metrics(self) -> dict[str, Any]:
+        """Strategy-specific values added to each epoch's metrics (rank 0 logs them)."""
+        return {}
 
     # -- lifetime -------------------------------------------------------------
     def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:

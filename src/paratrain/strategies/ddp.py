@@ -15,6 +15,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.strategies.base import Strategy
 
+# comm_dtype -> name of the hook in torch.distributed.algorithms.ddp_comm_hooks.default_hooks
+COMM_DTYPES = {"32": None, "bf16": "bf16_compress_hook", "fp16": "fp16_compress_hook"}
+
 
 @dataclass(frozen=True, kw_only=True)
 class DDPOptions:
@@ -35,9 +38,17 @@ class DDPOptions:
     sync_buffers: bool = True
     """Copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks at each forward."""
 
+    comm_dtype: str = "32"
+    """Dtype gradients are all-reduced in: ``32`` (as computed), ``bf16`` or ``fp16``
+    (compressed by the standard DDP comm hooks: half the bytes, rounding error added)."""
+
     def __post_init__(self) -> None:
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(
+                f"comm_dtype must be one of {tuple(COMM_DTYPES)}, got {self.comm_dtype!r}"
+            )
 
 
 def _buffer_sync_kwargs(sync: bool) -> dict[str, bool]:
@@ -71,6 +82,12 @@ class DDPStrategy(Strategy):
             static_graph=self.options.static_graph,
             **_buffer_sync_kwargs(self.options.sync_buffers),
         )
+        hook = COMM_DTYPES[self.options.comm_dtype]
+        if hook is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            # state=None: the hook all-reduces over the default (world) group.
+            ddp.register_comm_hook(state=None, hook=getattr(default_hooks, hook))
         self._wrapped.append(ddp)
         return ddp
 

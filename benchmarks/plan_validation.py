@@ -1,0 +1,209 @@
+"""Does ``paratrain plan`` predict real step times? Predicted vs measured, side by side.
+
+Real training jobs (``paratrain.bench_worker`` under ``paratrain launch``) of each
+strategy in ``--strategies`` that the registry has (``ps`` is included automatically
+once registered) with 2-3 workers:
+
+* on loopback (one machine, ``--nproc-per-node W``), and
+* across network-namespace hosts (one process per host) whose links are rate-limited
+  with ``tc tbf`` in both directions (e.g. 1gbit, 200mbit); needs root and iproute2,
+  otherwise those rows are skipped with the reason.
+
+Prediction: :func:`paratrain.plan.predict` with the model's sizes from
+:func:`paratrain.plan.calibrate` and the compute time from the job's own gradient-sync-free
+phase ("in-situ calibration": the emulated hosts share this machine's cores, so a
+process's compute speed depends on how many run at once). The link is the tbf rate
+(loopback: the job's all-reduce probe); the latency comes from the job's 4-byte
+all-reduce probe. The column ``pred(1 proc)`` uses the single-process calibration
+instead, to show what CPU sharing does.
+
+    python benchmarks/plan_validation.py                       # full run, a few minutes
+    python benchmarks/plan_validation.py --workers 2 --steps 5 --repeats 2 --links loopback,200mbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from paratrain import bench_jobs
+from paratrain.bench_worker import DEMO_MODEL, JobSpec, load_factory, make_loss
+from paratrain.plan import Hardware, calibrate, parse_bandwidth, predict
+from paratrain.strategies import available_strategies
+
+PORT = 29500  # every namespace has its own port space
+
+
+def _shape_both_ways(cluster, index: int, rate: str) -> None:
+    """tbf on the host's egress (the harness) and on its bridge port (the host's ingress),
+    so each host has a symmetric link like a real NIC."""
+    burst = "512kb" if parse_bandwidth(rate) >= parse_bandwidth("1gbit") else "256kb"
+    cluster.limit_rate(index, rate=rate, burst=burst)
+    host = cluster.hosts[index]
+    subprocess.run(["tc", "-n", cluster.bridge_netns, "qdisc", "replace", "dev",
+                    host.bridge_port, "root", "tbf", "rate", rate, "burst", burst,
+                    "latency", "50ms"], check=True, capture_output=True, timeout=30)
+
+
+def run_netns(spec_path: Path, out_dir: Path, *, strategy: str, workers: int, rate: str,
+              timeout: float) -> bench_jobs.JobOutcome:
+    """One process per namespace host, static rendezvous on host 0, all links shaped."""
+    from paratrain.testing import netns
+
+    servers, server_flags = bench_jobs.server_args(strategy)
+    num_hosts = workers + servers
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = bench_jobs.job_env(threads=1)
+    with netns.NetnsCluster(num_hosts=num_hosts) as cluster:
+        for i in range(num_hosts):
+            _shape_both_ways(cluster, i, rate)
+        procs, logs = [], []
+        for k, host in enumerate(cluster.hosts):
+            argv = [sys.executable, "-m", "paratrain.cli", "launch", "--nnodes", str(num_hosts),
+                    "--nproc-per-node", "1", "--node-rank", str(k), "--master-addr",
+                    cluster.hosts[0].addr, "--master-port", str(PORT), *server_flags,
+                    *bench_jobs.worker_argv(spec_path, out_dir)]
+            log = open(out_dir / f"host{k}.log", "w")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(host.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+        try:
+            failure = bench_jobs.wait_all(procs, timeout)
+        finally:
+            for log in logs:
+                log.close()
+    text = "\n".join((out_dir / f"host{k}.log").read_text(errors="replace")
+                     for k in range(num_hosts))
+    return bench_jobs.collect(out_dir, failure, text)
+
+
+def measure(args, strategy: str, workers: int, link: str, root: Path) -> bench_jobs.JobOutcome:
+    job = root / f"{strategy}-{workers}-{link}"
+    job.mkdir(parents=True, exist_ok=True)
+    spec = JobSpec(strategy=strategy, model=args.model, input_shape=args.input_shape,
+                   batch_size=args.batch_size, warmup_steps=args.warmup, steps=args.steps,
+                   repeats=args.repeats, link_probe_bytes=args.probe_bytes)
+    spec.write(job / "spec.json")
+    if link == "loopback":
+        argv = bench_jobs.local_launch_argv(job / "spec.json", job / "out", strategy=strategy,
+                                            world_size=workers)
+        return bench_jobs.run_local(argv, job / "out", env=bench_jobs.job_env(threads=1),
+                                    timeout=args.timeout)
+    return run_netns(job / "spec.json", job / "out", strategy=strategy, workers=workers,
+                     rate=link, timeout=args.timeout)
+
+
+def predicted_step(profile, strategy: str, workers: int, link: str, first: dict) -> float:
+    latency = first["link_small_s"] / (2 * (workers - 1)) if first.get("link_small_s") else 50e-6
+    if link == "loopback":
+        bus = 2 * (workers - 1) / workers * first["link_probe_bytes"] / first["link_probe_s"]
+        hw = Hardware(num_devices_per_node=workers, intra_node_bandwidth=bus,
+                      intra_node_latency=latency)
+    else:
+        hw = Hardware(num_nodes=workers, num_devices_per_node=1,
+                      inter_node_bandwidth=parse_bandwidth(link), inter_node_latency=latency)
+    return predict(strategy, profile, hw, batch_size_per_device=first["batch_size"]).step_time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategies", default="ddp,ps")
+    p.add_argument("--workers", default="2,3")
+    p.add_argument("--links", default="loopback,1gbit,200mbit", help="loopback and/or tc rates")
+    p.add_argument("--model", default=DEMO_MODEL)
+    p.add_argument("--input-shape", default="1,28,28")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--probe-bytes", type=int, default=4_000_000)
+    p.add_argument("--tolerance", type=float, default=0.20)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--workdir", help="keep each job's spec, per-rank JSON and logs here")
+    args = p.parse_args(argv)
+    args.input_shape = tuple(int(x) for x in args.input_shape.split(","))
+    links = [s.strip() for s in args.links.split(",") if s.strip()]
+    for link in links:
+        if link != "loopback":
+            parse_bandwidth(link)  # fail now, not after the first job
+
+    torch.set_num_threads(1)  # as each job's processes (OMP_NUM_THREADS=1)
+    model = load_factory(args.model)()
+    example = torch.randn(args.batch_size, *args.input_shape)
+    with torch.no_grad():
+        loss = make_loss(model(example), args.batch_size, torch.Generator().manual_seed(0))
+    base = calibrate(model, example, loss, repeats=5)
+    print(f"calibrated {args.model}: {base.num_parameters:,} parameters, "
+          f"{base.compute_time_per_sample * 1e3:.3f} ms/sample on one process, "
+          f"backward share {base.backward_fraction:.2f}, {base.num_layers} layers")
+
+    from paratrain.testing import netns
+
+    netns_ok, netns_reason = netns.netns_available()
+    rows, lines = [], []
+    with tempfile.TemporaryDirectory(prefix="plan-validation-") as tmp:
+        root = Path(args.workdir or tmp)
+        for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
+            if strategy not in available_strategies():
+                lines.append(f"{strategy}: skipped, not in the strategy registry")
+                continue
+            for workers in (int(w) for w in args.workers.split(",")):
+                for link in links:
+                    if link != "loopback" and not netns_ok:
+                        lines.append(f"{strategy} x{workers} {link}: skipped, {netns_reason}")
+                        continue
+                    outcome = measure(args, strategy, workers, link, root)
+                    if not outcome.ok:
+                        lines.append(f"{strategy} x{workers} {link}: failed, {outcome.reason}")
+                        continue
+                    first = outcome.results[0]
+                    compute = statistics.median(first["compute_step_s"]) + first["optimizer_step_s"]
+                    situ = replace(base, compute_time_per_sample=compute / args.batch_size)
+                    measured = statistics.median(first["step_s"])
+                    row = {"link": link, "strategy": strategy, "workers": workers,
+                           "compute_s": compute, "measured_s": measured,
+                           "measured_min_s": min(first["step_s"]),
+                           "measured_max_s": max(first["step_s"]),
+                           "predicted_s": predicted_step(situ, strategy, workers, link, first),
+                           "predicted_1proc_s": predicted_step(base, strategy, workers, link,
+                                                               first)}
+                    row["error"] = row["predicted_s"] / measured - 1
+                    n = first["data_parallel_size"]
+                    row["probe_bus_bandwidth"] = (2 * (n - 1) / n * first["link_probe_bytes"]
+                                                  / first["link_probe_s"])
+                    rows.append(row)
+                    print(f"  {strategy} x{workers} {link}: measured {measured * 1e3:.1f} ms, "
+                          f"predicted {row['predicted_s'] * 1e3:.1f} ms", flush=True)
+    head = ("link", "strategy", "workers", "probe bus bw", "compute", "measured (min-max)",
+            "predicted", "error", "pred(1 proc)")
+    table = [head] + [(r["link"], r["strategy"], str(r["workers"]),
+                       f"{r['probe_bus_bandwidth'] * 8 / 1e6:,.0f} Mbit/s", f"{r['compute_s'] * 1e3:.1f} ms",
+                       f"{r['measured_s'] * 1e3:.1f} ms ({r['measured_min_s'] * 1e3:.0f}-"
+                       f"{r['measured_max_s'] * 1e3:.0f})", f"{r['predicted_s'] * 1e3:.1f} ms",
+                       f"{r['error']:+.1%}", f"{r['predicted_1proc_s'] * 1e3:.1f} ms")
+                      for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    print()
+    for i, r in enumerate(table):
+        print("  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    for line in lines:
+        print(line)
+    within = sum(abs(r["error"]) <= args.tolerance for r in rows)
+    print(f"\n{within}/{len(rows)} predictions within {args.tolerance:.0%} of the measured step time")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "notes": lines}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

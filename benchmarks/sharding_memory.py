@@ -1,0 +1,145 @@
+"""Per-rank memory of DDP, FSDP and pipeline at N = 1, 2, 4, and the pipeline bubble.
+
+For each strategy and N (gloo, CPU processes) a stack of Linear blocks is
+trained for a few Adam steps; each rank reports the bytes it holds in
+parameters, gradients and optimizer state, and its peak resident memory
+above the baseline taken before the model was built. Then a 2-stage pipeline
+is timed at several micro-batch counts and its idle fraction compared with
+``(p - 1) / (m + p - 1)``.
+
+    python benchmarks/sharding_memory.py                   # full size
+    python benchmarks/sharding_memory.py --width 256 --sizes 1,2 --bubble-steps 3  # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.testing.spawn import spawn
+
+STRATEGIES = ("ddp", "fsdp", "pipeline")
+
+
+def model_of(width: int, depth: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def _bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor):
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_worker(rank, world_size, strategy, width, depth, batch_size, num_steps):
+    torch.set_num_threads(1)
+    run = paratrain.Run(strategy=strategy if world_size > 1 else "single", progress=False,
+                        accelerator="cpu", seed=0)
+    baseline = _max_rss()
+    model = model_of(width, depth)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer = run.prepare(model, optimizer)
+    data = TensorDataset(torch.randn(batch_size * 64, width), torch.randint(0, 10, (batch_size * 64,)))
+    loader = run.loader(data, batch_size=batch_size)
+    grads = 0
+    for _ in run.epochs(1):
+        for step, (x, y) in enumerate(loader):
+            if step == num_steps:
+                break
+            run.backward(F.cross_entropy(model(x), y))
+            grads = _bytes(p.grad for p in model.parameters())
+            run.step(optimizer)
+    params = _bytes(model.parameters())
+    state = _bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+    peak = _max_rss() - baseline
+    run.close()
+    return {"params": params, "grads": grads, "optimizer": state, "peak": peak}
+
+
+def bubble_worker(rank, world_size, width, depth, batch_size, num_microbatches, num_steps):
+    torch.set_num_threads(1)
+    run = paratrain.Run(strategy="pipeline", progress=False, accelerator="cpu", seed=0,
+                        strategy_options={"schedule": "gpipe",
+                                          "num_microbatches": num_microbatches})
+    model = model_of(width, depth)
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    x, y = torch.randn(batch_size, width), torch.randint(0, 10, (batch_size,))
+    times = []
+    for _ in range(num_steps + 1):
+        run.strategy.barrier()
+        start = time.perf_counter()
+        run.backward(F.cross_entropy(model(x), y))
+        run.strategy.barrier()
+        times.append(time.perf_counter() - start)
+        optimizer.zero_grad(set_to_none=True)
+    step_time = statistics.median(times[1:])  # the first step also infers shapes
+    # Busy time: this stage alone, forward + backward of each micro-batch.
+    stage = model.stage_module
+    micro = torch.randn(batch_size // num_microbatches, width, requires_grad=True)
+    busy = []
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        for _ in range(num_microbatches):
+            stage(micro).sum().backward()
+        busy.append(time.perf_counter() - start)
+    run.close()
+    return 1.0 - statistics.median(busy) / step_time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32, help="per data-parallel rank")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--sizes", default="1,2,4")
+    parser.add_argument("--microbatches", default="1,2,4,8")
+    parser.add_argument("--bubble-steps", type=int, default=5)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    mib = 2**20
+    print(f"model: {args.depth} x Linear({args.width}, {args.width}) + head, Adam, float32")
+    print(f"{'strategy':<9} {'N':>2} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} "
+          f"{'state MiB':>10} {'vs DDP':>7} {'peak MiB':>9}")
+    ddp_state: dict[int, int] = {}
+    for n in sizes:
+        for strategy in STRATEGIES:
+            results = spawn(memory_worker, n, strategy, args.width, args.depth,
+                            args.batch_size, args.steps, timeout=900)
+            worst = max(results, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
+            state = worst["params"] + worst["grads"] + worst["optimizer"]
+            if strategy == "ddp":
+                ddp_state[n] = state
+            ratio = state / ddp_state[n] if n in ddp_state else float("nan")
+            print(f"{strategy:<9} {n:>2} {worst['params'] / mib:>11.2f} {worst['grads'] / mib:>10.2f} "
+                  f"{worst['optimizer'] / mib:>10.2f} {state / mib:>10.2f} {ratio:>7.3f} "
+                  f"{max(r['peak'] for r in results) / mib:>9.1f}")
+    print("\npipeline bubble, p = 2 stages, GPipe (idle fraction of a step, worst stage)")
+    print(f"{'m':>3} {'measured':>9} {'(p-1)/(m+p-1)':>14}")
+    for m in [int(s) for s in args.microbatches.split(",")]:
+        idle = spawn(bubble_worker, 2, args.width, args.depth, args.batch_size * 2, m,
+                     args.bubble_steps, timeout=900)
+        print(f"{m:>3} {max(idle):>9.3f} {1 / (m + 1):>14.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""``paratrain bench``: measure every registered strategy at several world sizes.
+
+Each strategy x world size runs as its own job through the real launcher
+(``paratrain launch ... -m paratrain.bench_worker``) on synthetic data of the model's
+input shape, with warm-up and repeated timing windows. Strategies are discovered from
+the registry when the bench runs; one that cannot run a configuration is listed as
+skipped with the reason.
+
+Example::
+
+    from paratrain.bench import bench
+    report = bench(model="my_module:build", input_shape=(3, 32, 32), world_sizes=(1, 2))
+    print(report.format_table())
+    report.write_json("bench.json"); report.write_csv("bench.csv"); report.plot("bench.png")
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from paratrain import bench_jobs
+from paratrain.bench_report import BenchReport, BenchRow, add_scaling_efficiency, row_from_results
+from paratrain.bench_worker import DEMO_MODEL, OPTIMIZERS, JobSpec, load_factory
+
+__all__ = ["BenchConfig", "BenchReport", "BenchRow", "bench", "main"]
+
+#: The reference of scaling efficiency; it is one process by definition.
+REFERENCE = "single"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What ``paratrain bench`` measures and how long it may take."""
+
+    model: str = DEMO_MODEL
+    """``module:callable`` returning the ``nn.Module`` (default: the demo ConvNet)."""
+    input_shape: tuple[int, ...] = (1, 28, 28)
+    """Shape of one sample; inputs are random tensors of this shape."""
+    strategies: tuple[str, ...] | None = None
+    """Strategy names; None means every registered strategy."""
+    world_sizes: tuple[int, ...] = (1, 2)
+    """Numbers of training processes (parameter servers come on top)."""
+    batch_size: int = 32
+    """Samples per training process per step."""
+    warmup_steps: int = 3
+    """Untimed steps before each timed phase."""
+    steps: int = 10
+    """Steps per timed window."""
+    repeats: int = 3
+    """Timed windows per configuration (median and min-max are reported)."""
+    optimizer: str = "adam"
+    """``adam`` or ``sgd``."""
+    epoch_samples: int = 60_000
+    """Samples in one epoch, for seconds per epoch (Fashion-MNIST's 60,000 by default)."""
+    threads: int | None = None
+    """OMP threads per process; None keeps the launcher's split of the cores."""
+    timeout_s: float = 600.0
+    """Seconds one configuration may take before it is killed and marked failed."""
+    link_probe_bytes: int = 0
+    """If > 0, each job also times all-reduces of this size to report the link bandwidth."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_shape", tuple(self.input_shape))
+        object.__setattr__(self, "world_sizes", tuple(self.world_sizes))
+        if self.strategies is not None:
+            object.__setattr__(self, "strategies", tuple(self.strategies))
+            if not self.strategies:
+                raise ValueError("strategies must name at least one strategy (or be None for all)")
+        if not self.world_sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                       for n in self.world_sizes):
+            raise ValueError(f"world_sizes must be integers >= 1, got {self.world_sizes!r}")
+        if not isinstance(self.epoch_samples, int) or self.epoch_samples < 1:
+            raise ValueError(f"epoch_samples must be an integer >= 1, got {self.epoch_samples!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1 or None, got {self.threads!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        self.job_spec(REFERENCE)  # the per-job fields are validated by JobSpec
+
+    def job_spec(self, strategy: str) -> JobSpec:
+        return JobSpec(strategy=strategy, model=self.model, input_shape=self.input_shape,
+                       batch_size=self.batch_size, warmup_steps=self.warmup_steps,
+                       steps=self.steps, repeats=self.repeats, optimizer=self.optimizer,
+                       link_probe_bytes=self.link_probe_bytes)
+
+
+def resolve_strategies(requested: Sequence[str] | None) -> list[str]:
+    """Registered names, in registry order; unknown names are a ValueError listing the choices."""
+    from paratrain.strategies import available_strategies
+
+    known = available_strategies()
+    names = list(known if requested is None else dict.fromkeys(requested))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"strategies: unknown {', '.join(unknown)}; registered: {', '.join(known)}")
+    # The reference first, so scaling efficiency has its baseline early in the table.
+    return sorted(names, key=lambda n: n != REFERENCE)
+
+
+def check_model(config: BenchConfig) -> None:
+    """Build the model and run one forward pass on 2 samples, so a wrong ``model`` or
+    ``input_shape`` fails here with one line instead of in every launched job."""
+    import torch
+    from torch import nn
+
+    model = load_factory(config.model)()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model {config.model!r} returned {type(model).__name__}, not an nn.Module")
+    try:
+        with torch.no_grad():
+            model(torch.randn(2, *config.input_shape))
+    except Exception as exc:  # shape mismatch and the like: the input shape's fault
+        text = str(exc).strip().splitlines()
+        raise ValueError(f"input_shape {config.input_shape}: forward of {config.model!r} failed: "
+                         f"{type(exc).__name__}: {text[0] if text else ''}") from None
+
+
+def preflight(strategy: str, world_size: int) -> str:
+    """Why ``strategy`` cannot run on ``world_size`` processes, or "" when it may."""
+    from paratrain.strategies import create_strategy, strategy_class
+    from paratrain.topology import Topology
+
+    if strategy == REFERENCE and world_size > 1:
+        return f"'{REFERENCE}' is one process (it would train {world_size} unrelated copies)"
+    try:
+        strategy_class(strategy)
+    except ImportError as exc:  # registered, but its module is missing or broken
+        return f"cannot import strategy {strategy!r}: {exc}".splitlines()[0]
+    if bench_jobs.server_args(strategy)[0]:
+        return ""  # its layout depends on the launcher's server flag: let the job decide
+    topology = Topology(rank=0, world_size=world_size, local_world_size=world_size)
+    try:
+        create_strategy(strategy, topology)
+    except ValueError as exc:  # the strategy's own, one-line refusal
+        return str(exc).strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - needs a live process group: the job will tell
+        return ""
+    return ""
+
+
+def run_one(config: BenchConfig, strategy: str, world_size: int, workdir: Path) -> BenchRow:
+    """Launch one configuration and aggregate its ranks' results."""
+    reason = preflight(strategy, world_size)
+    if reason:
+        return BenchRow(strategy=strategy, world_size=world_size, status="skipped", reason=reason)
+    job_dir = workdir / f"{strategy}-{world_size}"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = job_dir / "spec.json"
+    config.job_spec(strategy).write(spec_path)
+    out_dir = job_dir / "out"
+    argv = bench_jobs.local_launch_argv(spec_path, out_dir, strategy=strategy,
+                                        world_size=world_size)
+    outcome = bench_jobs.run_local(argv, out_dir, env=bench_jobs.job_env(threads=config.threads),
+                                   timeout=config.timeout_s)
+    servers = bench_jobs.server_args(strategy)[0]
+    if not outcome.ok:
+        return BenchRow(strategy=strategy, world_size=world_size, status="failed",
+                        reason=outcome.reason, num_processes=world_size + servers)
+    return row_from_results(strategy, world_size, outcome.results,
+                            epoch_samples=config.epoch_samples,
+                            num_processes=world_size + servers,
+                            note=f"+{servers} server(s)" if servers else "")
+
+
+def bench(config: BenchConfig | None = None, *, log: Callable[[str], Any] | None = None,
+          workdir: str | Path | None = None, **fields: Any) -> BenchReport:
+    """Measure every strategy x world size of ``config`` (or ``BenchConfig(**fields)``).
+
+    ``log`` receives one line per configuration (default: stderr). Per-job files
+    (spec, per-rank JSON, launcher log) go to ``workdir`` (default: a temporary
+    directory removed afterwards).
+    """
+    config = replace(config, **fields) if config is not None else BenchConfig(**fields)
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    strategies = resolve_strategies(config.strategies)
+    check_model(config)
+    settings = {**asdict(config), "strategies": strategies,
+                "title": f"paratrain bench: {config.model}, batch {config.batch_size}/process"}
+    report = BenchReport(settings=settings)
+    with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
+        root = Path(workdir) if workdir is not None else Path(tmp)
+        for strategy in strategies:
+            for n in config.world_sizes:
+                row = run_one(config, strategy, n, root)
+                report.rows.append(row)
+                what = (f"{row.samples_per_s:,.1f} samples/s" if row.ok
+                        else f"{row.status}: {row.reason}")
+                log(f"bench: {strategy} x{n}: {what}")
+    add_scaling_efficiency(report.rows, REFERENCE)
+    return report
+
+
+# --- command line -------------------------------------------------------------------
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}: expected positive integers such as 1,2, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paratrain bench", description=__doc__.splitlines()[0])
+    add = p.add_argument
+    add("model", nargs="?", default=DEMO_MODEL,
+        help=f"MODULE:CALLABLE returning an nn.Module (default {DEMO_MODEL})")
+    add("--input-shape", default="1,28,28", help="shape of one sample (default 1,28,28)")
+    add("--strategies", default=None, help="comma-separated names (default: all registered)")
+    add("--world-sizes", default="1,2", help="training processes per run (default 1,2)")
+    add("--batch-size", type=int, default=32, help="per process (default 32)")
+    add("--warmup", type=int, default=3, help="untimed steps per phase (default 3)")
+    add("--steps", type=int, default=10, help="steps per timed window (default 10)")
+    add("--repeats", type=int, default=3, help="timed windows (default 3)")
+    add("--optimizer", choices=OPTIMIZERS, default="adam")
+    add("--epoch-samples", type=int, default=60_000, help="for seconds/epoch (default 60000)")
+    add("--threads", type=int, default=None, help="OMP threads per process")
+    add("--timeout", type=float, default=600.0, help="seconds per configuration (default 600)")
+    add("--link-probe", type=int, default=0, metavar="BYTES",
+        help="also time all-reduces of BYTES to report link bandwidth")
+    add("--json", metavar="PATH", help="write the report as JSON")
+    add("--csv", metavar="PATH", help="write the rows as CSV")
+    add("--png", metavar="PATH", help="plot throughput and memory (needs matplotlib)")
+    add("--workdir", metavar="DIR", help="keep per-job files (spec, rank JSON, logs) here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``paratrain bench``; 2 with one line on bad input."""
+    args = build_parser().parse_args(argv)
+    try:
+        strategies = None if args.strategies is None else tuple(
+            s.strip() for s in args.strategies.split(",") if s.strip())
+        config = BenchConfig(
+            model=args.model, input_shape=_ints(args.input_shape, "--input-shape"),
+            strategies=strategies, world_sizes=_ints(args.world_sizes, "--world-sizes"),
+            batch_size=args.batch_size, warmup_steps=args.warmup, steps=args.steps,
+            repeats=args.repeats, optimizer=args.optimizer, epoch_samples=args.epoch_samples,
+            threads=args.threads, timeout_s=args.timeout, link_probe_bytes=args.link_probe)
+        for flag, path in (("--json", args.json), ("--csv", args.csv), ("--png", args.png)):
+            if path and not Path(path).resolve().parent.is_dir():
+                raise ValueError(f"{flag}: directory of {path!r} does not exist")
+        if args.png:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ValueError("--png needs matplotlib: pip install 'paratrain[plots]'") from None
+        report = bench(config, workdir=args.workdir)
+    except ValueError as exc:
+        print(f"paratrain bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.format_table())
+    if args.json:
+        report.write_json(args.json)
+    if args.csv:
+        report.write_csv(args.csv)
+    if args.png:
+        report.plot(args.png)
+    failed = [r for r in report.rows if r.status == "failed"]
+    return 1 if failed and len(failed) == len(report.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

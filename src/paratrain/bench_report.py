@@ -1,0 +1,200 @@
+"""Rows of ``paratrain bench``: aggregated from per-rank results, shown as table/JSON/CSV/PNG."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from paratrain.plan_report import format_bytes, format_seconds
+
+
+@dataclass(kw_only=True)
+class BenchRow:
+    """One strategy at one world size. Times in seconds, memory in bytes per rank."""
+
+    strategy: str
+    world_size: int
+    status: str = "ok"  # ok, skipped or failed
+    reason: str = ""
+    note: str = ""
+    num_processes: int = 0  # launched processes, servers included
+    samples_per_step: int = 0
+    samples_per_s: float | None = None  # median over repeats
+    samples_per_s_min: float | None = None
+    samples_per_s_max: float | None = None
+    step_time_s: float | None = None
+    compute_time_s: float | None = None  # forward + backward without gradient sync
+    optimizer_step_s: float | None = None
+    exposed_comm_share: float | None = None
+    seconds_per_epoch: float | None = None
+    peak_memory_bytes: int | None = None  # max over ranks, above each rank's baseline
+    peak_memory_per_rank: list[int] = field(default_factory=list)
+    param_bytes: int | None = None
+    grad_bytes: int | None = None
+    optimizer_bytes: int | None = None
+    cpu_percent: float | None = None  # mean over ranks, 100 = one core busy
+    system_cpu_percent: float | None = None
+    gpu_percent: float | None = None
+    scaling_efficiency: float | None = None
+    link_bus_bandwidth: float | None = None  # bytes/s, from the optional link probe
+    link_latency_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _mean(values: list[Any]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any]], *,
+                     epoch_samples: int, num_processes: int, note: str = "") -> BenchRow:
+    """Aggregate the per-rank JSON of one job (see :mod:`paratrain.bench_worker`).
+
+    The step times are already the maximum over ranks; throughput per window is
+    ``samples_per_step / step_time``; the exposed communication is what the synced step
+    takes beyond forward + backward without sync and a local optimizer step.
+    """
+    first = results[0]
+    samples = first["samples_per_step"]
+    speeds = [samples / t for t in first["step_s"]]
+    step = statistics.median(first["step_s"])
+    compute = statistics.median(first["compute_step_s"])
+    opt = first["optimizer_step_s"]
+    median_speed = statistics.median(speeds)
+    notes = [n for n in (note, first.get("notice")) if n]
+    bus = latency = None
+    if first.get("link_probe_s"):
+        n = first["data_parallel_size"]
+        factor = 2 * (n - 1) / n if n > 1 else 0.0
+        bus = factor * first["link_probe_bytes"] / first["link_probe_s"] if factor else None
+        latency = first["link_small_s"] / (2 * (n - 1)) if n > 1 else None
+    return BenchRow(
+        strategy=strategy, world_size=world_size, note="; ".join(notes),
+        num_processes=num_processes, samples_per_step=samples, samples_per_s=median_speed,
+        samples_per_s_min=min(speeds), samples_per_s_max=max(speeds), step_time_s=step,
+        compute_time_s=compute, optimizer_step_s=opt,
+        exposed_comm_share=max(0.0, step - compute - opt) / step,
+        seconds_per_epoch=epoch_samples / median_speed,
+        peak_memory_bytes=max(r["peak_memory_above_baseline_bytes"] for r in results),
+        peak_memory_per_rank=[r["peak_memory_above_baseline_bytes"] for r in results],
+        param_bytes=max(r["param_bytes"] for r in results),
+        grad_bytes=max(r["grad_bytes"] for r in results),
+        optimizer_bytes=max(r["optimizer_bytes"] for r in results),
+        cpu_percent=_mean([r.get("cpu_percent") for r in results]),
+        system_cpu_percent=_mean([r.get("system_cpu_percent") for r in results]),
+        gpu_percent=_mean([r.get("gpu_percent") for r in results]),
+        link_bus_bandwidth=bus, link_latency_s=latency,
+    )
+
+
+def add_scaling_efficiency(rows: list[BenchRow], reference: str = "single") -> None:
+    """``throughput_N / (N * throughput_1)``; throughput_1 is ``reference`` at world size 1
+    when measured, else the same strategy at world size 1."""
+    ones = {r.strategy: r.samples_per_s for r in rows if r.ok and r.world_size == 1}
+    base_ref = ones.get(reference)
+    for row in rows:
+        base = base_ref or ones.get(row.strategy)
+        if row.ok and base:
+            row.scaling_efficiency = row.samples_per_s / (row.world_size * base)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+@dataclass
+class BenchReport:
+    """Every measured (or skipped) configuration plus the settings that produced them."""
+
+    settings: dict[str, Any]
+    rows: list[BenchRow] = field(default_factory=list)
+
+    def row(self, strategy: str, world_size: int) -> BenchRow:
+        for r in self.rows:
+            if r.strategy == strategy and r.world_size == world_size:
+                return r
+        raise KeyError((strategy, world_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: settings and every row with every field."""
+        return {"settings": dict(self.settings), "rows": [asdict(r) for r in self.rows]}
+
+    def format_table(self) -> str:
+        """Aligned text: one line per strategy x world size; skipped ones with their reason."""
+        head = ("strategy", "N", "samples/s", "spread", "s/epoch", "step", "exposed comm",
+                "peak mem/rank", "params+grads+opt", "CPU %", "efficiency", "note")
+        rows = [head]
+        for r in self.rows:
+            if not r.ok:
+                rows.append((r.strategy, str(r.world_size), "-", "-", "-", "-", "-", "-", "-",
+                             "-", "-", f"{r.status}: {r.reason}"))
+                continue
+            state = (r.param_bytes or 0) + (r.grad_bytes or 0) + (r.optimizer_bytes or 0)
+            rows.append((
+                r.strategy, str(r.world_size), f"{r.samples_per_s:,.1f}",
+                f"{r.samples_per_s_min:,.0f}-{r.samples_per_s_max:,.0f}",
+                f"{r.seconds_per_epoch:,.1f}", format_seconds(r.step_time_s),
+                _pct(r.exposed_comm_share), format_bytes(r.peak_memory_bytes),
+                format_bytes(state), f"{r.cpu_percent:.0f}", _pct(r.scaling_efficiency), r.note))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        left = {0, 11}
+        lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w)
+                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def write_csv(self, path: str | Path) -> None:
+        """One row per configuration; list fields are joined with ``;``."""
+        names = [f.name for f in fields(BenchRow)]
+        with open(path, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=names)
+            writer.writeheader()
+            for r in self.rows:
+                row = asdict(r)
+                row["peak_memory_per_rank"] = ";".join(map(str, r.peak_memory_per_rank))
+                writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+    def plot(self, path: str | Path) -> None:
+        """PNG: throughput (with min-max spread) and peak memory per rank, per strategy."""
+        try:
+            import matplotlib
+        except ImportError:
+            raise ValueError("the PNG plot needs matplotlib: pip install 'paratrain[plots]'") from None
+        matplotlib.use("Agg")  # files only: never needs a display
+        import matplotlib.pyplot as plt
+
+        fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
+        for name in dict.fromkeys(r.strategy for r in self.rows):
+            ok = sorted((r for r in self.rows if r.strategy == name and r.ok),
+                        key=lambda r: r.world_size)
+            if not ok:
+                continue
+            xs = [r.world_size for r in ok]
+            ys = [r.samples_per_s for r in ok]
+            err = [[y - r.samples_per_s_min for y, r in zip(ys, ok)],
+                   [r.samples_per_s_max - y for y, r in zip(ys, ok)]]
+            ax_speed.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
+            ax_mem.plot(xs, [r.peak_memory_bytes / 1e6 for r in ok], marker="o", label=name)
+        ax_speed.set(title="throughput (median, min-max)", xlabel="world size",
+                     ylabel="samples/s")
+        ax_mem.set(title="peak memory per rank (above baseline)", xlabel="world size",
+                   ylabel="MB")
+        for ax in (ax_speed, ax_mem):
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+        fig.suptitle(self.settings.get("title", "paratrain bench"), fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)

@@ -1,0 +1,193 @@
+"""``fsdp``: fully sharded data parallel through PyTorch's FSDP2 (``fully_shard``).
+
+Each rank keeps 1/N of every parameter, gradient and optimizer state. Before a
+wrapped block runs forward (and again in backward) its parameters are
+all-gathered; after backward its gradients are reduce-scattered, so each rank
+updates only its shard. Blocks are wrapped one by one (the wrap policy) so that
+only one block is ever unsharded at a time, then the root is wrapped.
+
+With a 2-D mesh (``replicate x shard``, see :mod:`paratrain.mesh`) the same
+code is HSDP: sharded within a node, replicated across nodes (used by the
+``hybrid`` strategy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.mesh import ParallelDegrees, ParallelMesh
+from paratrain.strategies.base import Strategy
+from paratrain.strategies.sharded import lockstep_batches, parameter_names, rebuild_optimizer
+from paratrain.topology import Topology
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPOptions:
+    """Options of the ``fsdp`` strategy."""
+
+    wrap_policy: Any = None
+    """Which submodules become their own FSDP unit (all-gathered separately):
+    None = every direct child of the model that has parameters (the children of a
+    ``ModuleList``/``ModuleDict`` child, e.g. transformer blocks, individually);
+    a module class, a class name or a tuple of them; or a predicate
+    ``fn(module) -> bool``. The root is always wrapped last."""
+
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after each block's forward and gather them again
+    in backward (less memory, one more all-gather per block); False keeps them
+    until backward (ZeRO-2-like)."""
+
+    def __post_init__(self) -> None:
+        policy = self.wrap_policy
+        many = isinstance(policy, (tuple, list))
+        if not (policy is None or _is_class_spec(policy) or (callable(policy) and not many)
+                or (many and policy and all(_is_class_spec(p) for p in policy))):
+            raise ValueError(
+                "wrap_policy must be None, a module class, a class name, a tuple of "
+                f"them or a predicate fn(module) -> bool, got {policy!r}"
+            )
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}"
+            )
+
+
+def _is_class_spec(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, type) and issubclass(value, nn.Module))
+
+
+def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module], bool]:
+    """The wrap policy as a predicate over submodules (the root is handled separately)."""
+    if policy is None:
+        blocks = set()
+        for child in root.children():
+            members = child.children() if isinstance(child, _CONTAINERS) else [child]
+            blocks.update(id(m) for m in members if any(True for _ in m.parameters()))
+        return lambda module: id(module) in blocks
+    if isinstance(policy, (str, type)):
+        policy = (policy,)
+    if isinstance(policy, (tuple, list)):
+        classes = tuple(p for p in policy if isinstance(p, type))
+        names = {p for p in policy if isinstance(p, str)}
+        return lambda module: isinstance(module, classes) or type(module).__name__ in names
+    return policy
+
+
+class FSDPStrategy(Strategy):
+    """Shard parameters, gradients and optimizer state over the data-parallel ranks.
+
+    Args:
+        topology: this process's place in the job.
+        options: :class:`FSDPOptions`.
+        degrees: the layout; by default every rank is one shard (``shard_degree``
+            = world size). ``replicate_degree > 1`` gives HSDP.
+    """
+
+    name = "fsdp"
+    Options = FSDPOptions
+    replicated = False
+
+    def __init__(self, topology: Topology, options: Any = None, *,
+                 degrees: ParallelDegrees | None = None) -> None:
+        super().__init__(topology, options)
+        degrees = degrees or ParallelDegrees(shard_degree=topology.world_size)
+        if degrees.pipeline_degree != 1:
+            raise ValueError(f"pipeline_degree must be 1 for FSDP, got {degrees.pipeline_degree}")
+        self.mesh = ParallelMesh(degrees, topology)
+        self.active = topology.is_distributed
+        self._mp_policy = None
+        self._names: dict[int, str] = {}
+        self._params: dict[str, nn.Parameter] = {}
+
+    def notice(self) -> str | None:
+        if self.active:
+            return None
+        return "strategy 'fsdp' in one process: nothing to shard, running as 'single'"
+
+    def configure_precision(self, precision: Any) -> None:
+        if precision.mode == "16-mixed":
+            # GradScaler's inf check would see only this rank's gradient shard, so ranks
+            # could disagree on skipping a step.
+            raise ValueError("precision '16-mixed' is not supported with sharded gradients; "
+                             "use 'bf16-mixed' (no loss scaling needed)")
+        if precision.autocast_dtype is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            # Gathered parameters in the compute dtype, gradients reduced in float32.
+            self._mp_policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype,
+                                                   reduce_dtype=torch.float32)
+
+    def _fsdp_mesh(self):
+        if self.mesh.degrees.replicate_degree > 1:
+            return self.mesh.submesh("replicate", "shard")
+        return self.mesh.submesh("shard")
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.topology.device)
+        names = parameter_names(model)
+        if self.active:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            kwargs = dict(mesh=self._fsdp_mesh(),
+                          reshard_after_forward=self.options.reshard_after_forward,
+                          mp_policy=self._mp_policy or MixedPrecisionPolicy())
+            wrap = wrap_predicate(self.options.wrap_policy, model)
+            # Bottom-up: a unit must be wrapped before the unit that contains it.
+            for _, module in reversed(list(model.named_modules())[1:]):
+                if wrap(module):
+                    fully_shard(module, **kwargs)
+            fully_shard(model, **kwargs)
+        self._names.update(names)
+        self._params.update(dict(model.named_parameters()))
+        return model
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if not self.active:
+            return optimizer
+        # fully_shard replaced the parameters by DTensor shards: step over those.
+        return rebuild_optimizer(optimizer, self._names, self._params)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        if not self.active:
+            return contextlib.nullcontext()
+        return _gradient_sync_disabled(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        norm = nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
+        # The norm of sharded gradients is a DTensor; callers want a plain number.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        if not self.active:
+            yield from super().evaluation_batches(batches)
+            return
+        yield from lockstep_batches(batches, device=self.topology.device)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The unsharded model state on every rank (collective), e.g. for export."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        if not self.active:
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+@contextlib.contextmanager
+def _gradient_sync_disabled(model: nn.Module) -> Iterator[None]:
+    # Gradients stay unsharded and local until the last micro-step reduce-scatters them.
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

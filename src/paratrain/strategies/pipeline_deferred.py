@@ -1,0 +1,141 @@
+"""Deferred outputs: how an unchanged training loop drives a pipeline schedule.
+
+In a pipeline the forward and backward of all micro-batches are interleaved by
+the schedule (GPipe, 1F1B), so ``model(x)`` cannot compute the output right
+away. Instead it returns a :class:`Deferred` tensor that *records* what is done
+with it: ``F.cross_entropy(out, y)`` becomes a node "cross_entropy of the output
+and ``y``", ``loss / 2`` a node after it. ``run.backward(loss)`` then hands the
+recorded chain to the schedule as the loss function of every micro-batch, and
+afterwards each scalar node of the chain holds its value (the mean over the
+micro-batches, or the sum for a ``reduction="sum"`` loss), so ``loss.item()``
+and ``run.mean(loss)`` work as usual.
+
+Limits: the first operation on the output must be the loss, ``fn(output,
+target, ...)``, whose batch-sized tensor arguments are split into micro-batches
+with the input; what follows must be scalar arithmetic (scaling by constants).
+Other uses of the output in training mode (e.g. ``out.argmax()``) cannot be
+evaluated and raise when read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+_READ_OUT = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__float__,
+             torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__format__,
+             torch.Tensor.__repr__, torch.Tensor.__index__}
+
+
+@dataclass
+class Node:
+    """One recorded operation; the root (``func is None``) is the model's output."""
+
+    func: Callable[..., Any] | None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    parent: Node | None = None
+    value: torch.Tensor | None = None
+    context: Any = None
+    """For the root: whatever the strategy needs to run the schedule (inputs, module)."""
+
+    @property
+    def root(self) -> Node:
+        node = self
+        while node.parent is not None:
+            node = node.parent
+        return node
+
+    def chain(self) -> list[Node]:
+        """Nodes from the first operation after the root down to this one."""
+        nodes = []
+        node: Node | None = self
+        while node is not None and node.func is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
+    def call(self, parent_value: torch.Tensor, replace: Callable[[Any], Any] = lambda a: a) -> Any:
+        """Apply this node's operation with the parent's value substituted."""
+        def substitute(arg: Any) -> Any:
+            return parent_value if isinstance(arg, Deferred) else replace(arg)
+
+        args = tree_map(substitute, self.args)
+        kwargs = tree_map(substitute, self.kwargs)
+        return self.func(*args, **kwargs)
+
+
+class Deferred(torch.Tensor):
+    """A tensor whose value is known only after the pipeline schedule ran.
+
+    Until then, torch operations on it are recorded (:class:`Node`); reading a
+    number out of it (``item()``, ``float()``, printing) raises a clear error.
+    Once resolved, it behaves like its value.
+    """
+
+    _node: Node
+
+    @staticmethod
+    def __new__(cls, node: Node) -> Deferred:
+        # The placeholder answers metadata queries (dtype, device) during recording.
+        tensor = torch.Tensor._make_subclass(cls, torch.zeros(()), False)
+        tensor._node = node
+        return tensor
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        found: list[Deferred] = []
+        tree_map(lambda a: found.append(a) if isinstance(a, Deferred) else None, (args, kwargs))
+        nodes = {id(d._node): d._node for d in found}
+        if all(node.value is not None for node in nodes.values()):
+            resolved = tree_map(lambda a: a._node.value if isinstance(a, Deferred) else a,
+                                (args, kwargs))
+            return func(*resolved[0], **resolved[1])
+        if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.is_floating_point:
+            # dtype, device, shape, requires_grad: answered by the placeholder.
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in _READ_OUT:
+            raise RuntimeError(
+                "this value comes out of the pipeline and is known only after "
+                "run.backward(loss); read it afterwards (only the loss chain is computed)"
+            )
+        if len(nodes) != 1:
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)} combines two pipeline outputs; the loss "
+                "must be a function of one model(x) output and targets"
+            )
+        (parent,) = nodes.values()
+        return Deferred(Node(func, tuple(args), dict(kwargs), parent=parent))
+
+    def __repr__(self) -> str:
+        node = self._node
+        if node.value is not None:
+            return f"Deferred({node.value!r})"
+        return "Deferred(<computed by the pipeline at run.backward>)"
+
+
+def deferred_output(context: Any) -> Deferred:
+    """The placeholder a pipeline model returns in training mode."""
+    return Deferred(Node(None, context=context))
+
+
+def loss_chain(loss: Any) -> tuple[Node, list[Node]]:
+    """The root and the chain of operations that made ``loss``; TypeError if not deferred."""
+    if not isinstance(loss, Deferred):
+        raise TypeError(
+            "with strategy 'pipeline' the loss must be computed from the model's output, "
+            "e.g. loss = F.cross_entropy(model(x), y); got a tensor that is not"
+        )
+    node = loss._node
+    chain = node.chain()
+    if not chain:
+        raise TypeError("run.backward() got the model output itself; pass a loss computed from it")
+    if node.value is not None:
+        raise RuntimeError("run.backward() was already called on this loss")
+    return node.root, chain

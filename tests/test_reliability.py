@@ -1,0 +1,291 @@
+"""Bad input and lost peers: one line, non-zero exit, bounded time, no orphan processes.
+
+Every case of docs/reliability.md runs here as a real process (the launcher or
+a training script), tagged through its environment so that any process it
+leaves behind is found afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from paratrain.health import first_divergent
+from paratrain.testing.spawn import free_port
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TRAIN = str(SCRIPTS / "fault_train.py")
+LIMIT_S = 10.0
+CLI = [sys.executable, "-m", "paratrain.cli"]
+
+
+@functools.lru_cache(maxsize=1)
+def startup_s() -> float:
+    """What a run of the test script that trains nothing costs, measured now (interpreter,
+    torch import, Run set-up). On a busy shared machine this alone can exceed 10 s, so the
+    limits below are a budget on top of it (one start-up per process level)."""
+    started = time.monotonic()
+    subprocess.run(script("--epochs", "0"), check=True, timeout=240, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return time.monotonic() - started
+
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stderr: str
+    elapsed: float
+    orphans: list[str]
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.strip()]
+
+
+def _tagged(tag: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PARATRAIN_TEST_TAG") == tag:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _reap(tag: str) -> list[str]:
+    """Processes still carrying ``tag`` 2 s after exit; they are killed, then reported."""
+    deadline = time.monotonic() + 2.0
+    left = _tagged(tag)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _tagged(tag)
+    names = []
+    for proc in left:
+        try:
+            names.append(" ".join(proc.cmdline())[:120])
+            proc.kill()
+        except psutil.Error:
+            pass
+    return names
+
+
+def start(argv: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    tag = uuid.uuid4().hex
+    full_env = {**os.environ, "PARATRAIN_TEST_TAG": tag, "OMP_NUM_THREADS": "1",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    return proc, tag
+
+
+def finish(proc: subprocess.Popen, tag: str, started: float, timeout: float = 240) -> Outcome:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        _, err = proc.communicate()
+    return Outcome(proc.returncode, err, time.monotonic() - started, _reap(tag))
+
+
+def run(argv: list[str], env: dict[str, str] | None = None) -> Outcome:
+    started = time.monotonic()
+    proc, tag = start(argv, env)
+    return finish(proc, tag, started)
+
+
+def assert_one_line_failure(out: Outcome, expected: str, limit: float = LIMIT_S,
+                            levels: int = 1) -> None:
+    """Non-zero exit, no orphans, no traceback, the last line names ``expected``, and it
+    took less than ``limit`` s beyond ``levels`` process start-ups (launcher, workers)."""
+    limit += levels * startup_s()
+    report = (f"rc={out.returncode} {out.elapsed:.1f}s (limit {limit:.1f}s) "
+              f"stderr:\n{out.stderr[-3000:]}")
+    assert out.returncode != 0, report
+    assert out.orphans == [], report
+    assert "Traceback (most recent call last)" not in out.stderr, report
+    assert expected in out.lines[-1], report  # the last thing the user reads names it
+    assert out.elapsed < limit, report
+
+
+def launch(*argv: str) -> list[str]:
+    return [*CLI, "launch", *argv]
+
+
+def script(*argv: str) -> list[str]:
+    return [sys.executable, TRAIN, *argv]
+
+
+# -- the launcher refuses before anything starts --------------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    (launch("--nproc-per-node", "0", TRAIN), "--nproc-per-node must be an integer >= 1"),
+    (launch("--nnodes", "2", "--node-rank", "2", TRAIN), "--node-rank 2 is out of range"),
+    (launch("no_such_script.py"), "script 'no_such_script.py' not found"),
+    (launch("--nnodes", "0", TRAIN), "--nnodes must be N >= 1"),
+    (launch("--nnodes", "1:2", TRAIN), "--nnodes MIN:MAX needs --rdzv-backend c10d"),
+    (launch("--max-restarts", "-1", TRAIN), "--max-restarts must be >= 0"),
+    (launch("--join-timeout", "0", TRAIN), "--join-timeout must be > 0"),
+    ([*CLI, "lanch"], "unknown command 'lanch'"),
+], ids=["nproc-0", "node-rank", "script-missing", "nnodes-0", "nnodes-range-static",
+        "max-restarts", "join-timeout", "unknown-command"])
+def test_launcher_refuses(argv, expected):
+    assert_one_line_failure(run(argv), expected)
+
+
+def test_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = run(launch("--master-port", str(port), TRAIN))
+    assert_one_line_failure(out, f"port {port} on 127.0.0.1 is in use")
+
+
+def test_unreachable_master():
+    # Loopback only: a port nobody listens on stands for a master that is not there.
+    out = run(launch("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                     "--master-port", str(free_port()), "--join-timeout", "3", TRAIN))
+    assert_one_line_failure(out, "master 127.0.0.1:")
+    assert "unreachable after 3 s" in out.lines[-1]
+
+
+# -- the training script refuses (single process, no launcher) -------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, env, expected", [
+    (script("--strategy", "nope"), {}, "unknown strategy 'nope'"),
+    (script("--batch-size", "0"), {}, "batch_size must be >= 1"),
+    (script("--precision", "fp8"), {}, "precision must be one of"),
+    (script("--checkpoint-every", "2"), {}, "checkpoint_every needs checkpoint_dir"),
+    (script(), {"PARATRAIN_TIMEOUT_S": "soon"}, "PARATRAIN_TIMEOUT_S='soon' must be a number"),
+    (script(), {"PARATRAIN_KILL_AT_STEP": "x"}, "PARATRAIN_KILL_AT_STEP='x' must be an integer"),
+    (script(), {"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR is not set for a 2-process job"),
+], ids=["unknown-strategy", "batch-size-0", "precision", "checkpoint-every-no-dir",
+        "timeout-env", "fault-env", "no-launcher"])
+def test_script_refuses(argv, env, expected):
+    out = run(argv, env)
+    assert_one_line_failure(out, expected)
+    assert len(out.lines) == 1 and out.lines[0].startswith("paratrain: "), out.stderr
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory) -> Path:
+    """A real checkpoint of the 32-unit model (one short single-process run)."""
+    directory = tmp_path_factory.mktemp("good")
+    out = run(script("--epochs", "1", "--num-samples", "16", "--checkpoint-dir", str(directory),
+                     "--checkpoint-every", "2"))
+    assert out.returncode == 0, out.stderr
+    return directory / "step-000000002.pt"
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/paratrain-reliability-pwned",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, expected", [
+    ("other-model", "does not match the model"),
+    ("truncated", "is corrupt or truncated"),
+    ("malicious", "was refused"),
+])
+def test_bad_checkpoint(tmp_path, good_checkpoint, damage, expected):
+    target = tmp_path / good_checkpoint.name
+    shutil.copy(good_checkpoint, target)
+    argv = script("--checkpoint-dir", str(tmp_path), "--num-samples", "16")
+    if damage == "other-model":
+        argv += ["--hidden", "16"]
+    elif damage == "truncated":
+        target.write_bytes(target.read_bytes()[:200])
+    else:
+        with open(target, "wb") as f:
+            pickle.dump({"format": "paratrain", "payload": Exploit()}, f)
+    out = run(argv)
+    assert_one_line_failure(out, expected)
+    assert str(target) in out.lines[-1]
+    assert not os.path.exists("/tmp/paratrain-reliability-pwned")
+
+
+# -- through the launcher, with peers --------------------------------------------------
+
+@pytest.mark.slow
+def test_dataset_smaller_than_world_size():
+    out = run(launch("--nproc-per-node", "2", TRAIN, "--num-samples", "1"))
+    assert_one_line_failure(out, "dataset has 1 samples but there are 2 data-parallel ranks",
+                            levels=2)
+    assert out.lines[-1].startswith("paratrain launch: worker rank")
+
+
+def two_nodes(node_args: list[list[str]], env: dict[str, str] | None = None) -> list[Outcome]:
+    """``paratrain launch --nnodes 2`` twice on loopback, one process each."""
+    port = str(free_port())
+    started = time.monotonic()
+    running = [start(launch("--nnodes", "2", "--node-rank", str(k), "--master-addr",
+                            "127.0.0.1", "--master-port", port, "--join-timeout", "20",
+                            TRAIN, *args), env)
+               for k, args in enumerate(node_args)]
+    return [finish(proc, tag, started) for proc, tag in running]
+
+
+@pytest.mark.slow
+def test_mismatched_config_across_nodes():
+    outs = two_nodes([["--seed", "5"], ["--seed", "6"]])
+    for out in outs:
+        assert_one_line_failure(out, "rank 1 (host 127.0.0.1) was started with a different "
+                                     "configuration than rank 0 (host 127.0.0.1): seed differs",
+                                limit=LIMIT_S + 5, levels=2)
+
+
+@pytest.mark.slow
+def test_ranks_that_resumed_from_different_checkpoints_are_named(tmp_path):
+    # One run leaves checkpoints at steps 2 and 4; node 1's own disk only has step 2.
+    first = tmp_path / "node0"
+    out = run(script("--epochs", "1", "--num-samples", "32", "--checkpoint-dir", str(first),
+                     "--checkpoint-every", "2"))
+    assert out.returncode == 0, out.stderr
+    second = tmp_path / "node1"
+    second.mkdir()
+    shutil.copy(first / "step-000000002.pt", second)
+    outs = two_nodes([["--checkpoint-dir", str(first)], ["--checkpoint-dir", str(second)]],
+                     env={"PARATRAIN_HEALTH_EVERY": "1"})
+    for out in outs:
+        assert_one_line_failure(out, "rank 1 (host 127.0.0.1) diverged from rank 0",
+                                limit=LIMIT_S + 5, levels=2)
+        assert "global step 3 vs 5" in out.lines[-1]
+
+
+# -- pure logic --------------------------------------------------------------------------
+
+def test_first_divergent_rank():
+    assert first_divergent([[1, 2], [1, 2], [1, 2]]) is None
+    assert first_divergent([[1, 2], [1, 3], [1, 2]]) == (1, 0)
+    assert first_divergent([[9], [1], [1]]) == (0, 1)  # the majority is the reference
+    assert first_divergent([[1], [2]]) == (1, 0)  # a tie: rank 0's row
+
+
+def test_config_fingerprint_ignores_object_addresses_and_local_paths():
+    from paratrain.config import RunConfig
+    from paratrain.health import config_fingerprint
+
+    def fingerprint(**kwargs):
+        return config_fingerprint(RunConfig(**kwargs))[1]
+
+    assert torch.equal(fingerprint(checkpoint_dir="/a"), fingerprint(checkpoint_dir="/b"))
+    names, base = config_fingerprint(RunConfig())
+    changed = fingerprint(seed=1)
+    assert [n for n, a, b in zip(names, base, changed) if a != b] == ["seed"]
