@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--stem", choices=STEMS, default="auto", help="auto: pool for Fashion-MNIST, cifar for CIFAR-10")
     add("--epochs", type=int, default=6)
     add("--batch-size", type=int, default=128, help="per worker")
-    add("--lr", type=float, default=0.1, help="peak learning rate of the one-cycle schedule")
+    add("--lr", type=float, default=0.05, help="peak learning rate of the one-cycle schedule")
     add("--weight-decay", type=float, default=5e-4)
     add("--strategy", default="auto")
     add("--precision", default="32", help="32, bf16-mixed, 16-mixed or bf16-true")

@@ -140,3 +140,16 @@ def test_ddp_accumulation_syncs_only_on_the_last_micro_step_and_matches_referenc
         assert out["calls"] == [0, 0, 0, 1, 1, 1, 1, 2]
         assert_params_close(out["mean"], reference)
         assert_params_close(out["global"], global_reference)
+
+
+def test_sum_and_count_helpers():
+    losses = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    total, count = paratrain.losses.sum_and_count(losses, mask=torch.tensor([1, 0, 1, 1]).bool())
+    assert (total.item(), count.item()) == (8.0, 3.0)
+    total, count = paratrain.losses.sum_and_count(losses, weight=torch.tensor([0.5, 1, 0, 2]))
+    assert (total.item(), count.item()) == (10.5, 3.5)
+    logits, targets = torch.randn(2, 3, 5), torch.tensor([[0, -100, 4], [1, 1, -100]])
+    total, count = paratrain.losses.token_cross_entropy(logits, targets)
+    assert count.item() == 4
+    expected = F.cross_entropy(logits.reshape(-1, 5), targets.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(total / count, expected)

@@ -66,19 +66,26 @@ def train(rank, world_size, passes, compression, predivide):
     return params, isinstance(optimizer, torch.optim.SGD), too_many
 
 
-def train_worker(rank, world_size, configs):
+def worker(rank, world_size, configs):
     hvd.init()
-    return [train(rank, world_size, 2, compression, predivide) for compression, predivide, _ in configs]
+    trained = [train(rank, world_size, 2, compression, predivide) for compression, predivide, _ in configs]
+    return trained, collectives(rank)
 
 
 # (compression, gradient_predivide_factor, tolerance against the float32 reference)
 CONFIGS = [("none", 1.0, 1e-6), ("fp16", 2.0, 2e-3)]
 
 
+@pytest.fixture(scope="module")
+def two_ranks():
+    """Both 2-rank checks share one spawn: (training results, collective results) by rank."""
+    return spawn(worker, 2, CONFIGS)
+
+
 @pytest.mark.slow
-def test_backward_passes_per_step_2_matches_single_process():
+def test_backward_passes_per_step_2_matches_single_process(two_ranks):
     expected = reference(passes=2, world_size=2)
-    results = spawn(train_worker, 2, CONFIGS)
+    results = [trained for trained, _ in two_ranks]
     for index, (_, _, atol) in enumerate(CONFIGS):
         for params, is_sgd, too_many in (by_rank[index] for by_rank in results):
             assert is_sgd
@@ -89,8 +96,7 @@ def test_backward_passes_per_step_2_matches_single_process():
             assert torch.equal(results[0][index][0][name], results[1][index][0][name])
 
 
-def collectives_worker(rank, world_size):
-    hvd.init()
+def collectives(rank):
     torch.manual_seed(rank)  # different weights on each rank until broadcast
     model = nn.Linear(4, 2)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1))
@@ -115,8 +121,8 @@ def collectives_worker(rank, world_size):
 
 
 @pytest.mark.slow
-def test_broadcasts_and_collectives():
-    results = spawn(collectives_worker, 2)
+def test_broadcasts_and_collectives(two_ranks):
+    results = [out for _, out in two_ranks]
     for rank, out in enumerate(results):
         assert out["identity"] == (rank, 2, rank, 2)
         assert torch.equal(out["weight"], results[0]["weight"])

@@ -104,7 +104,7 @@ def test_fp16_scaler_state_is_checkpointed(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_mixed_trains_demo_within_one_point_of_fp32():
+def test_bf16_mixed_trains_demo_within_one_point_of_fp32(request):
     pytest.importorskip("paratrain.datasets").find_fashion_mnist()
     from paratrain.datasets import fashion_mnist
     from paratrain.demo import convnet
@@ -112,6 +112,9 @@ def test_bf16_mixed_trains_demo_within_one_point_of_fp32():
     train_set = fashion_mnist("train", limit=3000)
     test_set = fashion_mnist("test", limit=2000)
     accuracy = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # spinning intra-op threads cost most on a busy machine
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
     for precision in ("32", "bf16-mixed"):
         with make_run(precision=precision) as run:
             model = convnet()

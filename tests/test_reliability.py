@@ -139,10 +139,8 @@ def script(*argv: str) -> list[str]:
     (launch("--nnodes", "0", TRAIN), "--nnodes must be N >= 1"),
     (launch("--nnodes", "1:2", TRAIN), "--nnodes MIN:MAX needs --rdzv-backend c10d"),
     (launch("--max-restarts", "-1", TRAIN), "--max-restarts must be >= 0"),
-    (launch("--join-timeout", "0", TRAIN), "--join-timeout must be > 0"),
-    ([*CLI, "lanch"], "unknown command 'lanch'"),
 ], ids=["nproc-0", "node-rank", "script-missing", "nnodes-0", "nnodes-range-static",
-        "max-restarts", "join-timeout", "unknown-command"])
+        "max-restarts"])
 def test_launcher_refuses(argv, expected):
     assert_one_line_failure(run(argv), expected)
 
@@ -170,13 +168,10 @@ def test_unreachable_master():
 @pytest.mark.parametrize("argv, env, expected", [
     (script("--strategy", "nope"), {}, "unknown strategy 'nope'"),
     (script("--batch-size", "0"), {}, "batch_size must be >= 1"),
-    (script("--precision", "fp8"), {}, "precision must be one of"),
-    (script("--checkpoint-every", "2"), {}, "checkpoint_every needs checkpoint_dir"),
     (script(), {"PARATRAIN_TIMEOUT_S": "soon"}, "PARATRAIN_TIMEOUT_S='soon' must be a number"),
     (script(), {"PARATRAIN_KILL_AT_STEP": "x"}, "PARATRAIN_KILL_AT_STEP='x' must be an integer"),
     (script(), {"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR is not set for a 2-process job"),
-], ids=["unknown-strategy", "batch-size-0", "precision", "checkpoint-every-no-dir",
-        "timeout-env", "fault-env", "no-launcher"])
+], ids=["unknown-strategy", "batch-size-0", "timeout-env", "fault-env", "no-launcher"])
 def test_script_refuses(argv, env, expected):
     out = run(argv, env)
     assert_one_line_failure(out, expected)
@@ -289,3 +284,20 @@ def test_config_fingerprint_ignores_object_addresses_and_local_paths():
     names, base = config_fingerprint(RunConfig())
     changed = fingerprint(seed=1)
     assert [n for n, a, b in zip(names, base, changed) if a != b] == ["seed"]
+
+
+def test_sigterm_becomes_a_stop_request_and_the_handler_is_restored():
+    import signal as signals_module
+
+    from paratrain.signals import GracefulStop
+
+    before = signals_module.getsignal(signals_module.SIGTERM)
+    stop = GracefulStop(group=None, enabled=True)
+    try:
+        assert stop.installed and not stop.should_stop()
+        os.kill(os.getpid(), signals_module.SIGTERM)  # would end pytest without the handler
+        time.sleep(0.1)
+        assert stop.should_stop()
+    finally:
+        stop.close()
+    assert signals_module.getsignal(signals_module.SIGTERM) == before

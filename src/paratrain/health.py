@@ -38,6 +38,7 @@ import torch.distributed as dist
 from paratrain.topology import Topology
 
 ENV_EVERY = "PARATRAIN_HEALTH_EVERY"
+ENV_TIMEOUT = "PARATRAIN_TIMEOUT_S"
 DEFAULT_EVERY = 50
 ADDRESS_BYTES = 64
 # Fields that may differ per node without changing the computation.
@@ -252,9 +253,6 @@ class HealthMonitor:
         thread.start()
         thread.join(wait_s + 1.0)
         return answer.get("missing")
-
-
-ENV_TIMEOUT = "PARATRAIN_TIMEOUT_S"
 
 
 def env_timeout_s(environ: Mapping[str, str] | None = None) -> float | None:

@@ -67,7 +67,7 @@ class GlobalCount:
     """
 
     def __init__(self) -> None:
-        self._local = 0.0
+        self._local: torch.Tensor | float = 0.0
         self._micro_steps = 0
         self._missing = 0
 
@@ -80,11 +80,14 @@ class GlobalCount:
         """Record one micro-step's local count (None: this micro-step gave none)."""
         if count is None:
             self._missing += 1
+        elif isinstance(count, torch.Tensor):
+            # Kept as a tensor: reading it now would wait for the device every micro-step.
+            self._local = self._local + count.detach().double().sum()
+            self._micro_steps += 1
         else:
-            value = float(count.detach().sum()) if isinstance(count, torch.Tensor) else float(count)
-            if value < 0:
-                raise ValueError(f"count must be >= 0, got {value}")
-            self._local += value
+            if count < 0:
+                raise ValueError(f"count must be >= 0, got {count}")
+            self._local += float(count)
             self._micro_steps += 1
         if self._micro_steps and self._missing:
             raise ValueError(
@@ -94,7 +97,7 @@ class GlobalCount:
 
     def gradient_factor(self, strategy: Strategy) -> float:
         """``data_parallel_size / global_count``; one scalar all-reduce across ranks."""
-        local = torch.tensor([self._local], dtype=torch.float64, device=strategy.topology.device)
+        local = torch.as_tensor(self._local, dtype=torch.float64).to(strategy.topology.device)
         total = float(strategy.all_reduce(local, "sum").item())
         # No valid element anywhere: the summed gradient is zero already.
         return strategy.data_parallel_size / total if total > 0 else 0.0

@@ -58,7 +58,11 @@ class GracefulStop:
         self._wakeup: tuple[int, int, int] | None = None
         self.installed = False
         if enabled and threading.current_thread() is threading.main_thread():
-            self.grace_s = float(os.environ.get(ENV_GRACE, "") or 10.0)
+            raw = os.environ.get(ENV_GRACE, "") or "10"
+            try:
+                self.grace_s = float(raw)
+            except ValueError:
+                raise ValueError(f"{ENV_GRACE}={raw!r} must be a number of seconds") from None
             self._previous = signal.signal(signal.SIGTERM, self._on_signal)
             self.installed = True
             self._start_watchdog()

@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=3, help="optimizer steps per probe")
     add("--tolerance", type=float, default=None, help="max relative difference (default by precision)")
     add("--precision", default="32")
+    add("--accelerator", default="cpu", help="cpu, cuda or auto")
     add("--strategy", default="ddp", help="strategy for multi-process factorizations")
     add("--lr", type=float, default=0.05)
     add("--seed", type=int, default=0)
@@ -277,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fields[name] = _resolve(getattr(args, option), f"--{option}")
         setup = ProbeSetup(num_steps=args.steps, lr=args.lr, seed=args.seed,
                            precision=args.precision, strategy=args.strategy,
+                           accelerator=args.accelerator,
                            timeout_s=args.timeout, **fields)
         if "data_fn" not in fields:
             from paratrain.datasets import find_fashion_mnist

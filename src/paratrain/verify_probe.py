@@ -131,6 +131,8 @@ class ProbeSetup:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.accelerator not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"accelerator must be 'auto', 'cpu' or 'cuda', got {self.accelerator!r}")
         from paratrain.strategies import strategy_class
 
         strategy_class(self.strategy)  # ValueError naming the choices

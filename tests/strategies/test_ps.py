@@ -134,7 +134,10 @@ def train(strategy, batch_size, num_steps, options=None, optimizer="sgd", **run_
             run.backward(F.cross_entropy(model(x), y))
             run.step(opt)
     params = {k: v.detach().clone() for k, v in run.strategy.unwrap(model).state_dict().items()}
-    stats = run.strategy.stats() if strategy == "ps" and run.is_main else None
+    stats = None
+    if strategy == "ps":
+        run.mean(torch.tensor(0.0))  # parks every worker: all their gradients are applied
+        stats = run.strategy.stats() if run.is_main else None
     run.close()
     return params, stats
 
