@@ -69,7 +69,7 @@ def raw_variant(args, data) -> float:
                 loss.backward()
                 optimizer.step()
         seconds = timed_epoch(one_epoch)
-    del model
+    model = None  # release the DDP reducer before the process group
     dist.destroy_process_group()
     return seconds
 
