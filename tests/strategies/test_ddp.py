@@ -4,19 +4,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import paratrain
+from paratrain.testing.reference import synthetic_classification, train_steps
 from paratrain.testing.spawn import spawn
 
 NUM_SAMPLES = 96
 
 
 def dataset(n=NUM_SAMPLES):
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, 10, generator=g)
-    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()
-    return TensorDataset(x, y)
+    return synthetic_classification(n)
 
 
 def mlp():
@@ -30,15 +27,8 @@ def train(strategy, batch_size, num_steps, options=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = run.prepare(model, optimizer)
     loader = run.loader(dataset(), batch_size=batch_size)
-    losses = []
-    for _ in run.epochs(2):
-        for step, (x, y) in enumerate(loader):
-            if step == num_steps:
-                break
-            loss = F.cross_entropy(model(x), y)
-            run.backward(loss)
-            run.step(optimizer)
-            losses.append(run.mean(loss))
+    losses = train_steps(run, model, optimizer, loader, num_steps=num_steps,
+                         num_epochs=2)
     params = {k: v.detach().clone() for k, v in run.strategy.unwrap(model).state_dict().items()}
     run.close()
     return params, losses

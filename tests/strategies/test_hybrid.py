@@ -4,12 +4,12 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.strategies.hybrid import HybridOptions
+from paratrain.testing.reference import train_steps
 from paratrain.testing.spawn import spawn
 from paratrain.topology import Topology
 
@@ -32,15 +32,8 @@ def train(strategy, batch_size, options=None, num_steps=4):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
     model, optimizer = run.prepare(model, optimizer)
     loader = run.loader(dataset(), batch_size=batch_size)
-    losses = []
-    for _ in run.epochs(1):
-        for step, (x, y) in enumerate(loader):
-            if step == num_steps:
-                break
-            loss = F.cross_entropy(model(x), y)
-            run.backward(loss)
-            run.step(optimizer)
-            losses.append(run.mean(loss))
+    losses = train_steps(run, model, optimizer, loader, num_steps=num_steps,
+                         num_epochs=1)
     full = getattr(run.strategy, "full_state_dict", lambda m: None)(model)
     state = full if full is not None else run.strategy.checkpoint_module(model).state_dict()
     params = {k: v.detach().clone() for k, v in state.items()}

@@ -4,20 +4,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.strategies.pipeline import PipelineOptions, balanced_split, stage_layers
 from paratrain.strategies.pipeline_deferred import Deferred, Node
 from paratrain.strategies.pipeline_module import microbatches_for
+from paratrain.testing.reference import synthetic_classification
 from paratrain.testing.spawn import spawn
 
 
 def dataset(n=96):
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, 10, generator=g)
-    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()
-    return TensorDataset(x, y)
+    return synthetic_classification(n)
 
 
 def mlp():

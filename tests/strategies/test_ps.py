@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.strategies import ps_protocol as proto
 from paratrain.strategies.ps import PSOptions, PSStrategy, resolve_num_servers
 from paratrain.strategies.ps_worker import assemble_state, split_state
+from paratrain.testing.reference import synthetic_classification
 from paratrain.testing.spawn import spawn
 from paratrain.topology import Topology
 
@@ -27,10 +27,7 @@ SPAWN_TIMEOUT = 600  # seconds; generous because CI machines may be shared and b
 
 
 def dataset(n=NUM_SAMPLES):
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(n, 10, generator=g)
-    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()
-    return TensorDataset(x, y)
+    return synthetic_classification(n)
 
 
 def mlp():
