@@ -100,6 +100,17 @@ def measure(args, strategy: str, workers: int, link: str, root: Path) -> bench_j
                      rate=link, timeout=args.timeout)
 
 
+def overlap_for(first: dict) -> float:
+    """The planner's ``overlap`` for this job's devices.
+
+    On CUDA, NCCL runs on its own stream and hides behind backward (1.0). On CPU,
+    gloo reduces and copies on CPU threads: when every core already runs a compute
+    thread (one process per core here, and the namespace hosts share this machine's
+    cores), communication waits for compute instead of overlapping it (0.0).
+    """
+    return 1.0 if first.get("device", "cpu").startswith("cuda") else 0.0
+
+
 def predicted_step(profile, strategy: str, workers: int, link: str, first: dict) -> float:
     latency = first["link_small_s"] / (2 * (workers - 1)) if first.get("link_small_s") else 50e-6
     if link == "loopback":
@@ -109,7 +120,8 @@ def predicted_step(profile, strategy: str, workers: int, link: str, first: dict)
     else:
         hw = Hardware(num_nodes=workers, num_devices_per_node=1,
                       inter_node_bandwidth=parse_bandwidth(link), inter_node_latency=latency)
-    return predict(strategy, profile, hw, batch_size_per_device=first["batch_size"]).step_time
+    return predict(strategy, profile, hw, batch_size_per_device=first["batch_size"],
+                   overlap=overlap_for(first)).step_time
 
 
 def main(argv: list[str] | None = None) -> int:

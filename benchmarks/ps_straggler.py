@@ -1,13 +1,27 @@
 """Parameter server under a straggler: sync, ssp(s=2), async and ddp side by side.
 
 1 server + 3 workers (ddp: 3 workers) train the demo ConvNet on Fashion-MNIST
-until the workers together have processed the same number of samples; one
-worker is made 2x slower with ``PARATRAIN_STRAGGLER`` (its extra sleep per step
-equals the step time measured here in one process). Prints samples/s and test
-accuracy of each mode, and ratios to sync.
+until the workers together have processed the same number of samples (default:
+one epoch). Prints samples/s and test accuracy of each mode, and ratios to sync,
+for each scenario:
 
-    python benchmarks/ps_straggler.py                      # full size
-    python benchmarks/ps_straggler.py --samples 3072 --test-samples 1000   # quick
+``cpu``
+    Real compute only; worker rank 2 sleeps one step time ``T`` (measured here
+    in one process) after every step, so it is 2x slower. On a machine with
+    fewer cores than processes the workers also compete for the CPU.
+``device``
+    As on accelerators: every worker also waits ``D = --device-factor x T`` per
+    step with the CPU free (an emulated device's compute), and the straggler
+    sleeps ``T + D`` more. Workers no longer compete for cores.
+``jitter``
+    ``device``, but instead of one fixed straggler every worker is slowed by
+    ``T + D`` with probability 1/3 per step: the same average delay, moving
+    between workers. The case bounded staleness is for: with one *constant*
+    straggler ssp runs at the straggler's pace once the others are ``s`` steps
+    ahead, so its throughput equals sync's.
+
+    python benchmarks/ps_straggler.py                      # all scenarios, ~15 min
+    python benchmarks/ps_straggler.py --scenarios cpu --samples 3072 --test-samples 1000
 
 Each mode is one ``paratrain launch`` job; this script re-enters itself with
 ``--train`` inside the job.
@@ -30,19 +44,24 @@ from torch.utils.data import Subset
 
 MODES = {"sync": {"mode": "sync"}, "ssp": {"mode": "ssp", "staleness": 2},
          "async": {"mode": "async"}, "ddp": None}
+SCENARIOS = ("cpu", "device", "jitter")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--samples", type=int, default=12288, help="training samples, all workers together")
+    add("--samples", type=int, default=60000, help="training samples, all workers together")
     add("--batch-size", type=int, default=32, help="per worker")
     add("--workers", type=int, default=3)
     add("--slowdown", type=float, default=2.0, help="the straggler's step time, in step times")
     add("--test-samples", type=int, default=10000)
     add("--lr", type=float, default=1e-3)
     add("--modes", default="sync,ssp,async,ddp")
+    add("--scenarios", default=",".join(SCENARIOS))
+    add("--device-factor", type=float, default=2.0,
+        help="device and jitter scenarios: emulated device time per step, in step times T")
     add("--train", action="store_true", help=argparse.SUPPRESS)
+    add("--device-s", type=float, default=0.0, help=argparse.SUPPRESS)
     add("--mode", default="sync", help=argparse.SUPPRESS)
     add("--json", default=None, help=argparse.SUPPRESS)
     return parser
@@ -69,6 +88,8 @@ def train(args: argparse.Namespace) -> None:
         for _ in run.epochs(10_000):
             for x, y in loader:
                 run.backward(F.cross_entropy(model(x), y))
+                if args.device_s:
+                    time.sleep(args.device_s)  # the emulated device computes; the CPU is free
                 run.step(optimizer)
                 steps += 1
                 # Global samples: async workers step at their own pace, so ask the
@@ -128,10 +149,36 @@ def main() -> int:
         print(f"ps_straggler: unknown mode(s) {unknown}; choose from {list(MODES)}",
               file=sys.stderr)
         return 2
-    delay = (args.slowdown - 1.0) * step_time(args.batch_size)
-    straggler = args.workers - 1  # a worker rank in both layouts
+    scenarios = args.scenarios.split(",")
+    if unknown := [s for s in scenarios if s not in SCENARIOS]:
+        print(f"ps_straggler: unknown scenario(s) {unknown}; choose from {list(SCENARIOS)}",
+              file=sys.stderr)
+        return 2
+    step = step_time(args.batch_size)
     print(f"{args.workers} workers (+1 server for ps), batch {args.batch_size}/worker, "
-          f"{args.samples} samples, worker rank {straggler} sleeps {delay * 1e3:.1f} ms/step")
+          f"{args.samples} samples, step time T = {step * 1e3:.1f} ms (one process)")
+    for scenario in scenarios:
+        results = run_scenario(args, scenario, modes, step)
+        if results is None:
+            return 1
+        print_table(scenario, results)
+    return 0
+
+
+def run_scenario(args: argparse.Namespace, scenario: str, modes: list[str],
+                 step: float) -> dict[str, dict] | None:
+    device = 0.0 if scenario == "cpu" else args.device_factor * step
+    delay = (args.slowdown - 1.0) * (step + device)
+    straggler = args.workers - 1  # a worker rank in both layouts
+    if scenario == "jitter":
+        # Every worker, slowed with probability 1/W: on average one slow step per step.
+        pattern = f"*:{delay:.4f}:{1 / args.workers:.4f}"
+        print(f"\n[{scenario}] device time {device * 1e3:.1f} ms/step; every worker sleeps "
+              f"{delay * 1e3:.1f} ms after a step with probability 1/{args.workers}", flush=True)
+    else:
+        pattern = f"{straggler}:{delay:.4f}"
+        print(f"\n[{scenario}] device time {device * 1e3:.1f} ms/step; worker rank {straggler} "
+              f"sleeps {delay * 1e3:.1f} ms after every step", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
@@ -141,24 +188,29 @@ def main() -> int:
                     str(nproc), *([] if MODES[mode] is None else ["--ps-servers", "1"]),
                     __file__, "--train", "--mode", mode, "--json", str(out),
                     "--samples", str(args.samples), "--batch-size", str(args.batch_size),
-                    "--test-samples", str(args.test_samples), "--lr", str(args.lr)]
-            env = {**os.environ, "PARATRAIN_STRAGGLER": f"{straggler}:{delay:.4f}",
-                   "OMP_NUM_THREADS": "1"}
+                    "--test-samples", str(args.test_samples), "--lr", str(args.lr),
+                    "--device-s", f"{device:.4f}"]
+            # The server rank is never slowed ("*" reaches it, but it never steps).
+            env = {**os.environ, "PARATRAIN_STRAGGLER": pattern, "OMP_NUM_THREADS": "1"}
             job = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
             if job.returncode != 0:
-                print(f"{mode}: failed\n{job.stderr[-2000:]}", file=sys.stderr)
-                return 1
+                print(f"{scenario}/{mode}: failed\n{job.stderr[-2000:]}", file=sys.stderr)
+                return None
             results[mode] = json.loads(out.read_text())
+    return results
+
+
+def print_table(scenario: str, results: dict[str, dict]) -> None:
     base = results.get("sync")
-    print("\n| mode | samples | seconds | samples/s | vs sync | test accuracy | vs sync (points) "
-          "| max staleness |\n|---|---|---|---|---|---|---|---|")
+    print(f"\n{scenario}:\n\n| mode | samples | seconds | samples/s | vs sync | test accuracy "
+          "| vs sync (points) | max staleness |\n|---|---|---|---|---|---|---|---|")
     for mode, r in results.items():
         ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
         diff = f"{100 * (r['accuracy'] - base['accuracy']):+.1f}" if base else "-"
         label = "ssp(s=2)" if mode == "ssp" else mode
         print(f"| {label} | {r['samples']} | {r['seconds']:.1f} | {r['samples_per_s']:.0f} | "
-              f"{ratio} | {r['accuracy']:.4f} | {diff} | {r.get('max_staleness', '-')} |")
-    return 0
+              f"{ratio} | {r['accuracy']:.4f} | {diff} | {r.get('max_staleness', '-')} |",
+              flush=True)
 
 
 if __name__ == "__main__":

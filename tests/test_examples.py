@@ -92,6 +92,44 @@ def test_resnet_missing_dataset_is_one_line(tmp_path, capsys):
         f"that {tmp_path}/cifar-10-batches-py exists, and pass --data-dir {tmp_path}"]
 
 
+def write_cifar10(root, *, per_batch=16):
+    """A tiny CIFAR-10 folder in torchvision's format (pickled batches of random images)."""
+    import pickle
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = torch.randint(0, 256, (per_batch, 3 * 32 * 32), generator=generator, dtype=torch.uint8)
+        labels = torch.randint(0, 10, (per_batch,), generator=generator).tolist()
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": data.numpy(), "labels": labels}, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
+
+
+@needs("torchvision")
+def test_resnet_cifar10_path_trains_from_a_local_folder(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar
+
+    write_cifar10(tmp_path)
+    # The folder holds made-up batches, so their checksums cannot match the real ones.
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kw: True)
+    resnet = load_example("resnet")
+    images, labels = resnet.load_images("cifar10", str(tmp_path), "train")
+    assert images.shape == (80, 3, 32, 32) and images.dtype == torch.uint8
+    assert labels.shape == (80,) and labels.dtype == torch.long
+    out = tmp_path / "cifar.json"
+    code = resnet.main(["--dataset", "cifar10", "--data-dir", str(tmp_path), "--epochs", "1",
+                        "--batch-size", "16", "--train-samples", "32", "--test-samples", "16",
+                        "--no-progress", "--json", str(out)])
+    assert code == 0
+    summary = json.loads(out.read_text())
+    assert summary["dataset"] == "cifar10" and summary["stem"] == "cifar"
+    assert summary["global_steps"] == 2 and summary["test_count"] == 16
+    assert math.isfinite(summary["history"][0]["train_loss"])
+
+
 # -- text data and bert_sentiment.py ------------------------------------------------------
 def test_split_is_seeded_disjoint_and_complete():
     train, test = split_indices(100, test_fraction=0.2, seed=1)

@@ -154,18 +154,24 @@ def _link_probe(run: Any, num_bytes: int, repeats: int = 7) -> dict[str, float]:
     """Fastest all-reduce time of ``num_bytes`` and of 4 bytes over the data-parallel group.
 
     The minimum, not the median: other load on the machine only ever adds time, and the
-    link's capability is what is being measured.
+    link's capability is what is being measured. A plain ``torch.distributed`` collective,
+    not the strategy's: a strategy may add protocol work to its own (the parameter
+    server parks its workers at the servers first), which is not the link's cost.
     """
     import torch
+    import torch.distributed as dist
 
+    group = run.strategy.data_parallel_group
+    if not dist.is_initialized() or run.strategy.data_parallel_size < 2:
+        return {}
     out: dict[str, float] = {"link_probe_bytes": float(num_bytes)}
     for key, n in (("link_probe_s", num_bytes), ("link_small_s", 4)):
         tensor = torch.ones(max(1, n // 4), device=run.device)
-        run.strategy.all_reduce(tensor)  # warm-up: connections are set up lazily
+        dist.all_reduce(tensor, group=group)  # warm-up: connections are set up lazily
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            run.strategy.all_reduce(tensor)
+            dist.all_reduce(tensor, group=group)
             times.append(time.perf_counter() - t0)
         out[key] = min(times)
     return out

@@ -199,7 +199,7 @@ class PSStrategy(Strategy):
         # is still stepping would wait forever for its gradient. Parking first lets the
         # others' rounds close without it until they reach the collective too.
         if self._client is not None and self.num_workers > 1:
-            self._client.park(self._lrs(), want_state=False)
+            self._client.park(self._lrs(), if_changed=True)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._settle()

@@ -21,7 +21,12 @@ PUSH, PULL, PARK, DONE, LOAD, STATS = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {PUSH: "push", PULL: "pull", PARK: "park", DONE: "done", LOAD: "load",
               STATS: "stats"}
 # Tags keep the streams apart: a header can never be matched by a payload.
-HEADER, PAYLOAD, PARAMS, STATE, STATS_TAG = 1, 2, 3, 4, 5
+HEADER, PAYLOAD, PARAMS, STATE, STATS_TAG, FRESH = 1, 2, 3, 4, 5, 6
+# Bits of a park header's ``arg``.
+PARK_WANTS_STATE = 1
+PARK_IF_CHANGED = 2
+"""Reply to the park with a one-element flag on tag ``FRESH`` and send the parameters
+only if they changed since the worker last received them (1 = they follow)."""
 STALENESS_BINS = 32
 """Histogram bins: staleness 0 .. 30 exactly, the last bin counts 31 and more."""
 

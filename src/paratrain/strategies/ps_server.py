@@ -75,7 +75,7 @@ class ParameterServer:
         self.num_groups = len(optimizer.param_groups)
         self.workers = list(worker_ranks)
         self.active, self.done = set(self.workers), set()
-        self.parked: dict[int, bool] = {}  # rank -> wants the optimizer state on release
+        self.parked: dict[int, int] = {}  # rank -> its park flags (proto.PARK_*)
         self.deferred: set[int] = set()  # pushed, waiting for the staleness bound
         self.clock = dict.fromkeys(self.workers, 0)
         self.pulled = dict.fromkeys(self.workers, 0)  # version each worker last received
@@ -135,7 +135,7 @@ class ParameterServer:
 
     def _on_park(self, src: int, arg: int, lrs: list[float]) -> None:
         self.active.discard(src)
-        self.parked[src] = bool(arg)
+        self.parked[src] = arg
         self._progress()
 
     def _on_done(self, src: int, arg: int, lrs: list[float]) -> None:
@@ -175,11 +175,19 @@ class ParameterServer:
                 self._reply(worker)
         if self.parked and not self.active:
             # Every worker that is not done is parked: a consistent cut. Release them all.
-            for worker, wants_state in sorted(self.parked.items()):
+            for worker, flags in sorted(self.parked.items()):
                 self.clock[worker] = max(self.clock[worker], self.version)
                 self.active.add(worker)
-                self._reply(worker)
-                if wants_state:
+                if flags & proto.PARK_IF_CHANGED:
+                    # A park before a collective: in lock-step training nothing changed
+                    # since the worker's last reply, so a flag replaces the parameters.
+                    changed = self.pulled[worker] != self.version
+                    self.outbox.send(torch.tensor([int(changed)]), worker, proto.FRESH)
+                    if changed:
+                        self._reply(worker)
+                else:
+                    self._reply(worker)
+                if flags & proto.PARK_WANTS_STATE:
                     self.outbox.send_tensor_dict(self._optimizer_state(), worker, proto.STATE)
             self.parked.clear()
 

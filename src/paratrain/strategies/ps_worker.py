@@ -62,14 +62,23 @@ class WorkerClient:
         self._send_headers(proto.PULL, 0, lrs)
         self._receive_params()
 
-    def park(self, lrs: list[float], *, want_state: bool) -> dict[str, torch.Tensor] | None:
+    def park(self, lrs: list[float], *, want_state: bool = False, if_changed: bool = False
+             ) -> dict[str, torch.Tensor] | None:
         """Wait until every unfinished worker is parked; load the parameters then.
 
-        With ``want_state`` also return the servers' optimizer state, taken at the
-        same consistent point, as one ``{name: tensor}`` per server merged.
+        With ``if_changed`` the servers send the parameters only where they changed
+        since this worker last received them (a small flag otherwise): the cheap
+        barrier in front of collectives. With ``want_state`` also return the servers'
+        optimizer state, taken at the same consistent point, as one ``{name: tensor}``
+        per server merged.
         """
-        self._send_headers(proto.PARK, int(want_state), lrs)
-        self._receive_params()
+        flags = (proto.PARK_WANTS_STATE if want_state else 0) | (
+            proto.PARK_IF_CHANGED if if_changed else 0)
+        self._send_headers(proto.PARK, flags, lrs)
+        if if_changed:
+            self._receive_params(only_if_fresh=True)
+        else:
+            self._receive_params()
         if not want_state:
             return None
         per_server = [self._wait(lambda s=s: proto.recv_tensor_dict(s, proto.STATE, self.group), s)
@@ -108,12 +117,21 @@ class WorkerClient:
         for server in self.server_ranks:
             self.outbox.send(proto.make_header(kind, arg, lrs), server, proto.HEADER)
 
-    def _receive_params(self) -> None:
+    def _receive_params(self, *, only_if_fresh: bool = False) -> None:
+        servers = list(zip(self.server_ranks, self.layout.ranges))
+        if only_if_fresh:
+            flags = [torch.empty(1, dtype=torch.int64) for _ in servers]
+            for flag, (server, _) in zip(flags, servers):
+                self._wait(lambda f=flag, s=server: dist.recv(f, s, group=self.group,
+                                                              tag=proto.FRESH), server)
+            servers = [pair for flag, pair in zip(flags, servers) if int(flag)]
         works = [(dist.irecv(self.flat[lo:hi], server, group=self.group, tag=proto.PARAMS), server)
-                 for server, (lo, hi) in zip(self.server_ranks, self.layout.ranges)]
+                 for server, (lo, hi) in servers]
         for work, server in works:
             self._wait(work.wait, server)
         self._wait(self.outbox.wait, self.server_ranks[0])
+        if not servers:
+            return
         with torch.no_grad():
             for p, offset in zip(self.params, self.layout.offsets):
                 p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
