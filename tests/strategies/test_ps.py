@@ -113,8 +113,12 @@ def make_optimizer(name, model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def train(strategy, batch_size, num_steps, options=None, optimizer="sgd", **run_kwargs):
-    """Train ``num_steps`` per epoch for 2 epochs; None on a parameter-server rank."""
+def train(strategy, batch_size, num_steps, options=None, optimizer="sgd", *, log_every_step=False,
+          **run_kwargs):
+    """Train ``num_steps`` per epoch for 2 epochs; None on a parameter-server rank.
+
+    ``log_every_step``: also average the loss over workers after every step (a collective).
+    """
     run = paratrain.Run(strategy=strategy, progress=False, accelerator="cpu", seed=7,
                         strategy_options=options or {}, **run_kwargs)
     model = mlp()
@@ -128,8 +132,11 @@ def train(strategy, batch_size, num_steps, options=None, optimizer="sgd", **run_
         for step, (x, y) in enumerate(loader):
             if step == num_steps:
                 break
-            run.backward(F.cross_entropy(model(x), y))
+            loss = F.cross_entropy(model(x), y)
+            run.backward(loss)
             run.step(opt)
+            if log_every_step:
+                run.mean(loss.detach())
     params = {k: v.detach().clone() for k, v in run.strategy.unwrap(model).state_dict().items()}
     stats = None
     if strategy == "ps":
@@ -144,6 +151,10 @@ def train_worker(rank, world_size, strategy, batch_size, num_steps, options, opt
     return train(strategy, batch_size, num_steps, options, optimizer, **(run_kwargs or {}))
 
 
+def train_worker_logging(rank, world_size, strategy, batch_size, num_steps, options):
+    return train(strategy, batch_size, num_steps, options, log_every_step=True)
+
+
 def assert_params_close(got, expected):
     for name, ref in expected.items():
         torch.testing.assert_close(got[name], ref, atol=1e-6, rtol=0)
@@ -154,7 +165,8 @@ def assert_params_close(got, expected):
 def test_sync_equals_ddp_equals_single_process_and_ssp0_equals_sync():
     reference, _ = train("single", 8, 5)
     # 2 workers x batch 4 = the reference's batch of 8; the parameters span 2 servers.
-    sync = spawn(train_worker, 4, "ps", 4, 5, {"num_servers": 2}, timeout=SPAWN_TIMEOUT)
+    # A per-step run.mean (a collective, so a park at the servers) must not change that.
+    sync = spawn(train_worker_logging, 4, "ps", 4, 5, {"num_servers": 2}, timeout=SPAWN_TIMEOUT)
     ssp0 = spawn(train_worker, 3, "ps", 4, 5, {"mode": "ssp", "staleness": 0}, timeout=SPAWN_TIMEOUT)
     ddp = spawn(train_worker, 2, "ddp", 4, 5, {}, timeout=SPAWN_TIMEOUT)
     assert sync[2:] == [None, None] and ssp0[2] is None  # servers return nothing
@@ -167,6 +179,9 @@ def test_sync_equals_ddp_equals_single_process_and_ssp0_equals_sync():
     stats = sync[0][1]
     assert stats.updates == 10 and stats.pushes == 20
     assert stats.max_staleness == 0 and int(stats.histogram.sum()) == 2 * 20
+    # Parameters travel once per worker at start and once per push: the parks in front
+    # of the per-step collectives found nothing changed and sent only a flag.
+    assert stats.replies == 2 + 20
 
 
 @pytest.mark.slow

@@ -82,6 +82,7 @@ class ParameterServer:
         self.rounds: dict[int, dict[int, tuple[torch.Tensor, int]]] = {}
         self.version = 0  # optimizer updates applied
         self.pushes = 0
+        self.replies = 0  # parameter ranges sent
         self.histogram = torch.zeros(len(self.workers), proto.STALENESS_BINS, dtype=torch.int64)
         self.outbox = proto.Outbox(group)
         self._started = time.perf_counter()
@@ -152,7 +153,8 @@ class ParameterServer:
 
     def _on_stats(self, src: int, arg: int, lrs: list[float]) -> None:
         elapsed_us = int((time.perf_counter() - self._started) * 1e6)
-        head = torch.tensor([self.version, self.pushes, elapsed_us], dtype=torch.int64)
+        head = torch.tensor([self.version, self.pushes, elapsed_us, self.replies],
+                            dtype=torch.int64)
         self.outbox.send(torch.cat([head, self.histogram.reshape(-1)]), src, proto.STATS_TAG)
 
     # -- rounds, replies and releases ----------------------------------------------------
@@ -199,6 +201,7 @@ class ParameterServer:
 
     def _reply(self, worker: int) -> None:
         self.pulled[worker] = self.version
+        self.replies += 1
         # A copy: the shard keeps changing while the send is in flight.
         self.outbox.send(self.shard.clone(), worker, proto.PARAMS)
 

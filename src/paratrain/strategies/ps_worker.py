@@ -18,6 +18,7 @@ class PSStats:
         updates: optimizer updates applied (rounds in sync/ssp, pushes in async).
         pushes: gradients received from all workers.
         elapsed_s: seconds since the servers started serving.
+        replies: parameter ranges the first server has sent to workers.
         histogram: int64 ``[num_workers, STALENESS_BINS]``: for each worker, how many
             of its gradients were applied ``k`` updates after the parameters they
             were computed on (bin ``k``; the last bin counts ``k >= 31``). Summed
@@ -28,12 +29,16 @@ class PSStats:
     pushes: int
     elapsed_s: float
     histogram: torch.Tensor
+    replies: int = 0
 
     @property
     def max_staleness(self) -> int:
         """Largest staleness observed (0 if nothing was applied yet)."""
         seen = self.histogram.sum(dim=0).nonzero()
         return int(seen.max()) if seen.numel() else 0
+
+
+_STATS_HEAD = 4  # updates, pushes, elapsed_us, replies; then the histogram
 
 
 class WorkerClient:
@@ -99,13 +104,13 @@ class WorkerClient:
         self._send_headers(proto.STATS, 0, lrs)
         replies = []
         for server in self.server_ranks:
-            reply = torch.empty(3 + self.num_workers * proto.STALENESS_BINS, dtype=torch.int64)
+            reply = torch.empty(_STATS_HEAD + self.num_workers * proto.STALENESS_BINS, dtype=torch.int64)
             self._wait(lambda r=reply, s=server: dist.recv(r, s, group=self.group,
                                                            tag=proto.STATS_TAG), server)
             replies.append(reply)
-        updates, pushes, elapsed_us = replies[0][:3].tolist()
-        histogram = torch.stack([r[3:] for r in replies]).sum(dim=0)
-        return PSStats(updates=updates, pushes=pushes, elapsed_s=elapsed_us / 1e6,
+        updates, pushes, elapsed_us, sent = replies[0][:_STATS_HEAD].tolist()
+        histogram = torch.stack([r[_STATS_HEAD:] for r in replies]).sum(dim=0)
+        return PSStats(updates=updates, pushes=pushes, elapsed_s=elapsed_us / 1e6, replies=sent,
                        histogram=histogram.reshape(self.num_workers, proto.STALENESS_BINS))
 
     def done(self, lrs: list[float]) -> None:
