@@ -81,16 +81,19 @@ def test_hierarchical_equals_ring_on_one_node():
 
 
 def test_ps_comm_time_and_traffic():
-    # 4 workers, 2 servers: each server sends 4 parameter shards of 50 MB one after another,
-    # then receives the last worker's 50 MB gradient shard: 250 MB -> 0.25 s at 1 GB/s.
+    # 4 workers, 2 servers: each server sends 4 parameter shards of 50 MB at once (200 MB
+    # on its link), then receives 4 gradient shards of 50 MB: 400 MB -> 0.4 s at 1 GB/s.
     t = ps_comm_time(100 * MB, 100 * MB, num_workers=4, num_servers=2, bandwidth=1e9, latency=1e-4)
-    assert t == pytest.approx(0.25 + 2e-4)
-    # Larger pushes (fp32 gradients of bf16 parameters) serialize the pushes instead.
+    assert t == pytest.approx(0.4 + 2e-4)
+    # 1 server, fp32 gradients of bf16 parameters: 4 x 50 MB out, then 4 x 100 MB in.
     t = ps_comm_time(100 * MB, 50 * MB, num_workers=4, num_servers=1, bandwidth=1e9, latency=0.0)
-    assert t == pytest.approx(0.45)
+    assert t == pytest.approx(0.6)
+    # More servers than workers: each worker's own link (push + pull) is the slower end.
+    t = ps_comm_time(100 * MB, 100 * MB, num_workers=2, num_servers=4, bandwidth=1e9, latency=0.0)
+    assert t == pytest.approx(0.2)
     pr = profile(num_parameters=25_000_000)  # 100 MB of fp32 parameters and gradients
     p = predict("ps", pr, hardware(intra_node_latency=1e-4), batch_size_per_device=1, num_servers=2)
-    assert p.comm_time == pytest.approx(0.25 + 2e-4)
+    assert p.comm_time == pytest.approx(0.4 + 2e-4)
     assert p.exposed_comm_time == p.comm_time  # synchronous: nothing hides
     assert p.traffic_bytes == pytest.approx(400 * MB)
 

@@ -78,17 +78,16 @@ def ps_comm_time(
     push_bytes: float, pull_bytes: float, *, num_workers: int, num_servers: int,
     bandwidth: float, latency: float,
 ) -> float:
-    """Synchronous parameter server, the servers' links being the bottleneck.
+    """Synchronous parameter server: a pull phase and a push phase on shared links.
 
-    Each of ``k`` servers owns 1/k of the model. Per step it sends ``W`` parameter shards
-    one after another, so the workers restart staggered by one shard's transfer and their
-    gradient pushes arrive one after another too: the critical path is all ``W`` pulls and
-    the last worker's push, ``(W * pull + push) / (k * B) + 2 * alpha`` (with the roles of
-    push and pull swapped when pushes are the larger).
+    When a round closes, each of the ``k`` servers sends its shard to all ``W`` workers
+    at once, so the transfers share its link: ``W * pull / k`` bytes leave it while each
+    worker receives ``pull``. The workers then restart together, compute, and push
+    together: ``W * push / k`` bytes reach each server. The slower end of each phase
+    sets its time: ``max(W / k, 1) * (push + pull) / B + 2 * alpha``.
     """
-    w = num_workers
-    serialized = max(w * pull_bytes + push_bytes, w * push_bytes + pull_bytes)
-    return serialized / (num_servers * bandwidth) + 2 * latency
+    fan = max(num_workers / num_servers, 1.0)
+    return fan * (push_bytes + pull_bytes) / bandwidth + 2 * latency
 
 
 def exposed_comm_time(comm: float, window: float, *, overlap: float = 1.0, tail: float = 0.0) -> float:
