@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                            "predicted_1proc_s": predicted_step(base, strategy, workers, link,
                                                                first)}
                     row["error"] = row["predicted_s"] / measured - 1
-                    n = first["data_parallel_size"]
+                    n = first.get("link_probe_ranks", first["data_parallel_size"])
                     row["probe_bus_bandwidth"] = (2 * (n - 1) / n * first["link_probe_bytes"]
                                                   / first["link_probe_s"])
                     rows.append(row)

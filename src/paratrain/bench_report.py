@@ -71,7 +71,7 @@ def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any
     notes = [n for n in (note, first.get("notice")) if n]
     bus = latency = None
     if first.get("link_probe_s"):
-        n = first["data_parallel_size"]
+        n = first.get("link_probe_ranks", first["data_parallel_size"])
         factor = 2 * (n - 1) / n if n > 1 else 0.0
         bus = factor * first["link_probe_bytes"] / first["link_probe_s"] if factor else None
         latency = first["link_small_s"] / (2 * (n - 1)) if n > 1 else None

@@ -151,7 +151,8 @@ def _optimizer(params: Any, spec: JobSpec) -> Any:
 
 
 def _link_probe(run: Any, num_bytes: int, repeats: int = 7) -> dict[str, float]:
-    """Fastest all-reduce time of ``num_bytes`` and of 4 bytes over the data-parallel group.
+    """Fastest all-reduce time of ``num_bytes`` and of 4 bytes over the data-parallel group
+    (over all ranks when there is no data parallelism).
 
     The minimum, not the median: other load on the machine only ever adds time, and the
     link's capability is what is being measured. A plain ``torch.distributed`` collective,
@@ -161,10 +162,15 @@ def _link_probe(run: Any, num_bytes: int, repeats: int = 7) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    group = run.strategy.data_parallel_group
-    if not dist.is_initialized() or run.strategy.data_parallel_size < 2:
+    if not dist.is_initialized():
         return {}
-    out: dict[str, float] = {"link_probe_bytes": float(num_bytes)}
+    # Without data parallelism (a pipeline) the links between all ranks are what counts.
+    group, ranks = run.strategy.data_parallel_group, run.strategy.data_parallel_size
+    if ranks < 2:
+        group, ranks = None, dist.get_world_size()
+    if ranks < 2:
+        return {}
+    out: dict[str, float] = {"link_probe_bytes": float(num_bytes), "link_probe_ranks": ranks}
     for key, n in (("link_probe_s", num_bytes), ("link_small_s", 4)):
         tensor = torch.ones(max(1, n // 4), device=run.device)
         dist.all_reduce(tensor, group=group)  # warm-up: connections are set up lazily
