@@ -151,6 +151,24 @@ def test_pipeline_bubble_fraction():
     assert p.bubble_time / p.step_time == pytest.approx(0.2)
 
 
+def test_pipeline_boundary_is_the_tensor_at_the_balanced_cut():
+    # 4 children of 100/100/100/100 parameters, 2 stages: cut after child 2, whose output is
+    # 50 bytes per sample. Batch 8 per device -> mini-batch 16, m = 4 -> 4 samples each.
+    chain = ((100, 1000.0), (100, 50.0), (100, 2000.0), (100, 40.0))
+    pr = profile(num_parameters=400, num_layers=4, chain=chain)
+    p = predict("pipeline", pr, hardware(num_devices_per_node=2, intra_node_bandwidth=1e3),
+                batch_size_per_device=8, num_microbatches=4)
+    # (m + p - 1) slots, each with one transfer forward and one backward of 4 x 50 bytes.
+    assert p.comm_time == pytest.approx(5 * 2 * 200 / 1e3)
+    # Without the chain the boundary is the average a / L = 1000 / 4 bytes per sample.
+    q = predict("pipeline", profile(num_parameters=400, num_layers=4),
+                hardware(num_devices_per_node=2, intra_node_bandwidth=1e3),
+                batch_size_per_device=8, num_microbatches=4)
+    assert q.comm_time == pytest.approx(5 * 2 * 4 * 250 / 1e3)
+    with pytest.raises(ValueError, match="chain"):
+        profile(chain=((-1, 1.0),))
+
+
 def test_pipeline_needs_enough_layers():
     p = predict("pipeline", profile(num_layers=2), hardware(), batch_size_per_device=4)
     assert not p.applicable
@@ -321,6 +339,8 @@ def test_calibrate_tiny_model():
     assert pr.compute_time_per_sample > 0
     assert 0 <= pr.backward_fraction <= 1
     assert pr.num_layers == 2
+    # Per child: its parameters and its output per sample (what a pipeline cut there sends).
+    assert pr.chain == ((8 * 16 + 16, 16 * 4.0), (0, 16 * 4.0), (16 * 4 + 4, 4 * 4.0))
     assert all(p.grad is None for p in model.parameters())
 
 

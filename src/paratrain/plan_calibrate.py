@@ -73,6 +73,16 @@ def calibrate(
             saved[ptr] = max(saved.get(ptr, 0), storage.nbytes())
         return t
 
+    # Output bytes of each child of a Sequential: what a pipeline cut there would send.
+    outputs: list[int] = []
+    hooks = []
+    if isinstance(model, torch.nn.Sequential):
+        def record(module: Any, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            outputs.append(out.numel() * out.element_size() if isinstance(out, torch.Tensor) else 0)
+
+        hooks = [child.register_forward_hook(record) for child in model.children()]
+
     fwd_times: list[float] = []
     total_times: list[float] = []
     with torch.enable_grad():
@@ -82,6 +92,8 @@ def calibrate(
             if i == 0:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     loss = loss_fn(model(*inputs))
+                for hook in hooks:
+                    hook.remove()
             else:
                 loss = loss_fn(model(*inputs))
             t1 = time.perf_counter()
@@ -96,8 +108,10 @@ def calibrate(
     # Pipeline stages are cut between leaf modules that own parameters (Conv, Linear, ...).
     layers = sum(1 for m in model.modules()
                  if not list(m.children()) and any(True for _ in m.parameters(recurse=False)))
+    chain = tuple((sum(p.numel() for p in child.parameters()), out / batch)
+                  for child, out in zip(model.children(), outputs)) if hooks else ()
     return ModelProfile(
-        num_parameters=num_parameters, param_bytes=param_bytes, grad_bytes=param_bytes,
+        chain=chain, num_parameters=num_parameters, param_bytes=param_bytes, grad_bytes=param_bytes,
         activation_bytes_per_sample=sum(saved.values()) / batch,
         compute_time_per_sample=total / batch, backward_fraction=backward_fraction,
         num_layers=max(1, layers),

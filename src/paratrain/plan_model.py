@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from paratrain.partition import balanced_split
 from paratrain.plan_comm import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_FIRST_BUCKET_BYTES,
@@ -125,13 +126,20 @@ def _pipeline_cost(pr: ModelProfile, hw: Hardware, b: int, m_opt: int | None) ->
     m = min(4 * p, batch) if m_opt is None else m_opt
     if m > batch:
         raise ValueError(f"num_microbatches ({m}) must not exceed the mini-batch of {batch} samples")
-    if pr.num_layers < p:
+    layers = len(pr.chain) or pr.num_layers
+    if layers < p:
         return _Cost(devices=p, batch=batch, compute=b * pr.step_compute_time_per_sample,
                      applicable=False,
-                     note=f"needs >= {p} layers, model has {pr.num_layers}")
+                     note=f"needs >= {p} layers, model has {layers}")
     micro = batch / m
     slot = micro * pr.step_compute_time_per_sample / p  # one stage, one micro-batch, fwd + bwd
-    boundary = micro * pr.activation_bytes_per_sample / pr.num_layers
+    if pr.chain and p > 1:
+        # Cut as the pipeline strategy cuts (balanced parameters); the largest crossing
+        # tensor sets the pace of the boundary transfers.
+        cuts = balanced_split([params for params, _ in pr.chain], p)
+        boundary = micro * max(pr.chain[i - 1][1] for i in cuts)
+    else:
+        boundary = micro * pr.activation_bytes_per_sample / pr.num_layers
     bw, lat = _slowest_link(hw)  # the slowest stage boundary sets the pace
     p2p = 0.0 if p == 1 else lat + boundary / bw  # activation forward or its gradient backward
     slots = m + p - 1

@@ -66,6 +66,10 @@ class ModelProfile:
     backward_fraction: float = 2 / 3
     num_layers: int = 1
     activation_checkpointing: bool = False
+    chain: tuple[tuple[int, float], ...] = ()
+    """For an ``nn.Sequential``: per child, ``(parameters, output bytes per sample)``.
+    The pipeline is cut between children, so this gives what crosses each cut; empty:
+    a boundary is estimated as ``activation_bytes_per_sample / num_layers``."""
 
     def __post_init__(self) -> None:
         _positive_int("num_parameters", self.num_parameters)
@@ -77,6 +81,11 @@ class ModelProfile:
         if self.backward_fraction > 1:
             raise ValueError(f"backward_fraction must be in [0, 1], got {self.backward_fraction!r}")
         _positive_int("num_layers", self.num_layers)
+        for link in self.chain:
+            if (len(link) != 2 or not isinstance(link[0], int) or isinstance(link[0], bool)
+                    or link[0] < 0):
+                raise ValueError(f"chain entries must be (parameters >= 0, output bytes), got {link!r}")
+            _number("chain output bytes", link[1], positive=False)
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(
                 f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}"

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from paratrain.partition import balanced_split
 from paratrain.strategies.base import Strategy
-from paratrain.strategies.pipeline import balanced_split
 
 
 @dataclass(frozen=True, kw_only=True)

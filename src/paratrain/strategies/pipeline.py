@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.mesh import ParallelDegrees, ParallelMesh
+from paratrain.partition import balanced_split
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.pipeline_module import PipelineModule
 from paratrain.strategies.sharded import parameter_names, rebuild_optimizer
@@ -68,36 +69,6 @@ class PipelineOptions:
             raise ValueError(
                 f"split_points must be increasing positive child indices, got {points!r}"
             )
-
-
-def balanced_split(sizes: list[int], num_stages: int) -> list[int]:
-    """Start indices of stages 1.. that minimise the largest stage's total size.
-
-    Every stage gets at least one layer. Exact (dynamic programming over prefixes).
-    """
-    n = len(sizes)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot split {n} layers into {num_stages} stages; "
-                         "use fewer processes or a model with more children")
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-    inf = float("inf")
-    # best[k][i]: smallest possible largest-stage size for the first i layers in k stages.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    starts, i = [], n
-    for k in range(num_stages, 1, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
 
 
 def stage_layers(model: nn.Sequential, num_stages: int, stage_index: int,
