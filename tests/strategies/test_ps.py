@@ -17,7 +17,7 @@ import paratrain
 from paratrain.strategies import ps_protocol as proto
 from paratrain.strategies.ps import PSOptions, PSStrategy, resolve_num_servers
 from paratrain.strategies.ps_worker import assemble_state, split_state
-from paratrain.testing.reference import synthetic_classification
+from paratrain.testing.reference import synthetic_classification, train_steps
 from paratrain.testing.spawn import spawn
 from paratrain.topology import Topology
 
@@ -128,15 +128,8 @@ def train(strategy, batch_size, num_steps, options=None, optimizer="sgd", *, log
         assert exit_.code == 0
         return None  # a server: it served until every worker had finished
     loader = run.loader(dataset(), batch_size=batch_size)
-    for _ in run.epochs(2):
-        for step, (x, y) in enumerate(loader):
-            if step == num_steps:
-                break
-            loss = F.cross_entropy(model(x), y)
-            run.backward(loss)
-            run.step(opt)
-            if log_every_step:
-                run.mean(loss.detach())
+    train_steps(run, model, opt, loader, num_steps=num_steps, num_epochs=2,
+                mean_losses=log_every_step)
     params = {k: v.detach().clone() for k, v in run.strategy.unwrap(model).state_dict().items()}
     stats = None
     if strategy == "ps":

@@ -80,10 +80,7 @@ class WorkerClient:
         flags = (proto.PARK_WANTS_STATE if want_state else 0) | (
             proto.PARK_IF_CHANGED if if_changed else 0)
         self._send_headers(proto.PARK, flags, lrs)
-        if if_changed:
-            self._receive_params(only_if_fresh=True)
-        else:
-            self._receive_params()
+        self._receive_params(only_if_fresh=if_changed)
         if not want_state:
             return None
         per_server = [self._wait(lambda s=s: proto.recv_tensor_dict(s, proto.STATE, self.group), s)

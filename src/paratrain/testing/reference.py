@@ -24,8 +24,11 @@ def synthetic_classification(num_samples: int = 96, *, num_features: int = 10,
 
 
 def train_steps(run: Any, model: Any, optimizer: Any, loader: Any, *, num_steps: int,
-                num_epochs: int = 1) -> list[float]:
-    """Run ``num_steps`` micro-steps in each of ``num_epochs`` epochs; return the rank-mean losses."""
+                num_epochs: int = 1, mean_losses: bool = True) -> list[float]:
+    """Run ``num_steps`` micro-steps in each of ``num_epochs`` epochs; return the rank-mean losses.
+
+    ``mean_losses=False`` skips the per-step ``run.mean`` (a collective) and returns [].
+    """
     losses = []
     for _ in run.epochs(num_epochs):
         for step, (x, y) in enumerate(loader):
@@ -34,5 +37,6 @@ def train_steps(run: Any, model: Any, optimizer: Any, loader: Any, *, num_steps:
             loss = F.cross_entropy(model(x), y)
             run.backward(loss)
             run.step(optimizer)
-            losses.append(run.mean(loss))
+            if mean_losses:
+                losses.append(run.mean(loss))
     return losses
