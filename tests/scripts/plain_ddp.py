@@ -1,5 +1,6 @@
 """A plain torchrun-style DDP script that knows nothing of paratrain."""
 
+import gc
 import os
 
 import torch
@@ -23,7 +24,11 @@ def main():
     dist.all_gather(gathered, w)
     assert all(torch.equal(g, w) for g in gathered)
     print(f"plain ddp rank {rank}/{world} ok threads={torch.get_num_threads()}", flush=True)
-    del model
+    # DDP's reducer holds the process group from inside a reference cycle; left to
+    # interpreter shutdown, gloo's threads are torn down there and the process can
+    # abort ("terminate called without an active exception"). Free it first.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
