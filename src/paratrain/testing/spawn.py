@@ -43,10 +43,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, env: dict[str, st
     except BaseException:  # noqa: BLE001 - reported to the parent, which re-raises
         results.put((rank, False, traceback.format_exc()))
     finally:
-        import torch.distributed as dist
+        from paratrain.runtime import destroy_process_group
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()  # collects DDP reducers first (see its docstring)
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
           env: dict[str, str] | None = None) -> list[Any]:
