@@ -39,9 +39,9 @@ def test_random_straggler_sleeps_about_its_share(monkeypatch):
     assert 0.25 < len(slept) / 2000 < 0.35
     # Seeded by rank: the same rank repeats the same pattern.
     again = FaultPlan.from_env(rank=2, environ={"PARATRAIN_STRAGGLER": "*:0.01:0.3"})
-    pattern = [again._draws.random() < 0.3 for _ in range(50)]
+    pattern = [again.draws.random() < 0.3 for _ in range(50)]
     first = FaultPlan.from_env(rank=2, environ={"PARATRAIN_STRAGGLER": "*:0.01:0.3"})
-    assert pattern == [first._draws.random() < 0.3 for _ in range(50)]
+    assert pattern == [first.draws.random() < 0.3 for _ in range(50)]
 
 
 @pytest.mark.parametrize("value", ["1", "x:0.1", "1:abc", "1:-1", "1:0.1:2", "1:0.1:0.5:3"])

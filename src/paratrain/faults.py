@@ -25,7 +25,7 @@ import random
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,9 @@ class FaultPlan:
     term_at_step: int | None = None
     delay_s: float = 0.0
     delay_probability: float = 1.0
-    delay_seed: int = 0
+    # Private to this plan: drawing from the global generators would change the
+    # training's data order and dropout masks.
+    draws: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     @classmethod
     def from_env(cls, *, rank: int, environ: Mapping[str, str] | None = None) -> FaultPlan:
@@ -48,17 +50,12 @@ class FaultPlan:
         term_at = _int(environ, "PARATRAIN_TERM_AT_STEP") if chosen else None
         delay, probability = _straggler(environ.get("PARATRAIN_STRAGGLER", ""), rank)
         return cls(kill_at_step=kill_at, term_at_step=term_at, delay_s=delay,
-                   delay_probability=probability, delay_seed=rank)
-
-    def __post_init__(self) -> None:
-        # Private to this plan: drawing from the global generators would change the
-        # training's data order and dropout masks.
-        object.__setattr__(self, "_draws", random.Random(self.delay_seed))
+                   delay_probability=probability, draws=random.Random(rank))
 
     def after_step(self, global_step: int) -> None:
         """Called after every optimizer step."""
         if self.delay_s and (self.delay_probability >= 1
-                             or self._draws.random() < self.delay_probability):
+                             or self.draws.random() < self.delay_probability):
             time.sleep(self.delay_s)
         if self.kill_at_step is not None and global_step == self.kill_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
