@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from paratrain import bench_jobs
+from paratrain.bench_report import link_from_probe
 from paratrain.bench_worker import DEMO_MODEL, JobSpec, load_factory, make_loss
 from paratrain.plan import Hardware, calibrate, parse_bandwidth, predict
 from paratrain.strategies import available_strategies
@@ -112,9 +113,9 @@ def overlap_for(first: dict) -> float:
 
 
 def predicted_step(profile, strategy: str, workers: int, link: str, first: dict) -> float:
-    latency = first["link_small_s"] / (2 * (workers - 1)) if first.get("link_small_s") else 50e-6
+    bus, latency = link_from_probe(first)
+    latency = 50e-6 if latency is None else latency
     if link == "loopback":
-        bus = 2 * (workers - 1) / workers * first["link_probe_bytes"] / first["link_probe_s"]
         hw = Hardware(num_devices_per_node=workers, intra_node_bandwidth=bus,
                       intra_node_latency=latency)
     else:
@@ -194,9 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                            "predicted_1proc_s": predicted_step(base, strategy, workers, link,
                                                                first)}
                     row["error"] = row["predicted_s"] / measured - 1
-                    n = first.get("link_probe_ranks", first["data_parallel_size"])
-                    row["probe_bus_bandwidth"] = (2 * (n - 1) / n * first["link_probe_bytes"]
-                                                  / first["link_probe_s"])
+                    row["probe_bus_bandwidth"] = link_from_probe(first)[0]
                     rows.append(row)
                     print(f"  {strategy} x{workers} {link}: measured {measured * 1e3:.1f} ms, "
                           f"predicted {row['predicted_s'] * 1e3:.1f} ms", flush=True)

@@ -14,7 +14,8 @@ from torch import nn
 from paratrain import bench_jobs
 from paratrain.bench import BenchConfig, main, preflight, resolve_strategies
 from paratrain.bench_measure import MemoryWatch, state_bytes
-from paratrain.bench_report import BenchReport, BenchRow, add_scaling_efficiency, row_from_results
+from paratrain.bench_report import (BenchReport, BenchRow, add_scaling_efficiency, link_from_probe,
+                                    row_from_results)
 from paratrain.bench_worker import JobSpec, make_loss
 
 CONVNET_PARAMS = 431_242
@@ -48,6 +49,18 @@ def test_row_aggregates_median_spread_and_exposed_share():
 def test_exposed_share_never_negative():
     results = [rank_result(0, step_s=[0.1], compute_s=[0.2], peak=1)]
     assert row_from_results("x", 1, results, epoch_samples=1, num_processes=1).exposed_comm_share == 0
+
+
+def test_link_from_probe_is_ring_bus_bandwidth_and_per_hop_latency():
+    # 4 ranks, 8 MB in 0.1 s: each rank moves 2*3/4 * 8 MB = 12 MB -> 120 MB/s; a 4-byte
+    # all-reduce of 0.6 ms is 6 hops of 0.1 ms.
+    probe = {"link_probe_ranks": 4, "link_probe_bytes": 8e6, "link_probe_s": 0.1,
+             "link_small_s": 6e-4}
+    bus, latency = link_from_probe(probe)
+    assert bus == pytest.approx(120e6)
+    assert latency == pytest.approx(1e-4)
+    assert link_from_probe({"data_parallel_size": 1}) == (None, None)
+    assert link_from_probe({**probe, "link_probe_ranks": 1}) == (None, None)
 
 
 def test_scaling_efficiency_uses_single_then_own_baseline():

@@ -69,12 +69,7 @@ def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any
     opt = first["optimizer_step_s"]
     median_speed = statistics.median(speeds)
     notes = [n for n in (note, first.get("notice")) if n]
-    bus = latency = None
-    if first.get("link_probe_s"):
-        n = first.get("link_probe_ranks", first["data_parallel_size"])
-        factor = 2 * (n - 1) / n if n > 1 else 0.0
-        bus = factor * first["link_probe_bytes"] / first["link_probe_s"] if factor else None
-        latency = first["link_small_s"] / (2 * (n - 1)) if n > 1 else None
+    bus, latency = link_from_probe(first)
     return BenchRow(
         strategy=strategy, world_size=world_size, note="; ".join(notes),
         num_processes=num_processes, samples_per_step=samples, samples_per_s=median_speed,
@@ -92,6 +87,20 @@ def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any
         gpu_percent=_mean([r.get("gpu_percent") for r in results]),
         link_bus_bandwidth=bus, link_latency_s=latency,
     )
+
+
+def link_from_probe(result: dict) -> tuple[float | None, float | None]:
+    """``(bus bandwidth in bytes/s, latency per hop in s)`` from a rank's link probe.
+
+    A ring all-reduce of ``S`` bytes over ``n`` ranks moves ``2(n-1)/n * S`` per rank
+    (the bus bandwidth convention of nccl-tests) in ``2(n-1)`` latency-bound hops; the
+    probe's large and 4-byte all-reduces give one each. ``(None, None)`` without a probe.
+    """
+    n = result.get("link_probe_ranks", result.get("data_parallel_size", 1))
+    if not result.get("link_probe_s") or n < 2:
+        return None, None
+    bus = 2 * (n - 1) / n * result["link_probe_bytes"] / result["link_probe_s"]
+    return bus, result["link_small_s"] / (2 * (n - 1))
 
 
 def add_scaling_efficiency(rows: list[BenchRow], reference: str = "single") -> None:
