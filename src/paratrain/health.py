@@ -135,6 +135,19 @@ def _decode(blob: torch.Tensor) -> str:
     return bytes(blob.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
+def _collective_sequence() -> int:
+    """How many collectives the default group has issued on this rank; -1 if unknown.
+
+    A private c10d API (there is no public one): ranks that issued different numbers
+    of collectives are out of step even when their step counters agree. Where a torch
+    version lacks it, every rank reports -1 and the other fields are still compared.
+    """
+    try:
+        return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    except (AttributeError, RuntimeError):
+        return -1
+
+
 class HealthMonitor:
     """Consistency checks and failure diagnosis for one rank.
 
@@ -185,9 +198,7 @@ class HealthMonitor:
         self.local_steps += 1
         if self.group is None or not self.every or self.local_steps % self.every:
             return
-        default = dist.distributed_c10d._get_default_group()
-        sequence = default._get_sequence_number_for_group()
-        state = torch.tensor([self.local_steps, global_step, epoch, offset, sequence],
+        state = torch.tensor([self.local_steps, global_step, epoch, offset, _collective_sequence()],
                              dtype=torch.int64)
         rows = self._gather(state).tolist()
         found = first_divergent(rows)
