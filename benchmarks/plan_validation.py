@@ -39,6 +39,8 @@ from paratrain.bench_report import link_from_probe
 from paratrain.bench_worker import DEMO_MODEL, JobSpec, load_factory, make_loss
 from paratrain.plan import Hardware, calibrate, parse_bandwidth, predict
 from paratrain.strategies import available_strategies
+from paratrain.strategies.pipeline import PipelineOptions
+from paratrain.strategies.pipeline_module import microbatches_for
 
 PORT = 29500  # every namespace has its own port space
 
@@ -101,15 +103,20 @@ def measure(args, strategy: str, workers: int, link: str, root: Path) -> bench_j
                      rate=link, timeout=args.timeout)
 
 
-def overlap_for(first: dict) -> float:
+def overlap_for(strategy: str, first: dict) -> float:
     """The planner's ``overlap`` for this job's devices.
 
     On CUDA, NCCL runs on its own stream and hides behind backward (1.0). On CPU,
     gloo reduces and copies on CPU threads: when every core already runs a compute
     thread (one process per core here, and the namespace hosts share this machine's
-    cores), communication waits for compute instead of overlapping it (0.0).
+    cores), a collective waits for compute instead of overlapping it (0.0). A
+    pipeline's point-to-point transfers do no arithmetic: the schedule posts them
+    (``batch_isend_irecv``) and computes the next micro-batch while the network stack
+    moves them, so they overlap on CPU too (1.0).
     """
-    return 1.0 if first.get("device", "cpu").startswith("cuda") else 0.0
+    if strategy == "pipeline" or first.get("device", "cpu").startswith("cuda"):
+        return 1.0
+    return 0.0
 
 
 def predicted_step(profile, strategy: str, workers: int, link: str, first: dict) -> float:
@@ -121,8 +128,16 @@ def predicted_step(profile, strategy: str, workers: int, link: str, first: dict)
     else:
         hw = Hardware(num_nodes=workers, num_devices_per_node=1,
                       inter_node_bandwidth=parse_bandwidth(link), inter_node_latency=latency)
-    return predict(strategy, profile, hw, batch_size_per_device=first["batch_size"],
-                   overlap=overlap_for(first)).step_time
+    kwargs = {"batch_size_per_device": first["batch_size"]}
+    if strategy == "pipeline":
+        # The job's stages share one mini-batch of batch_size samples (no data parallelism)
+        # in the strategy's default number of micro-batches; the planner's mini-batch is
+        # p x batch_size_per_device.
+        kwargs = {"batch_size_per_device": first["batch_size"] // workers,
+                  "num_microbatches": microbatches_for(first["batch_size"],
+                                                       PipelineOptions().num_microbatches)}
+    return predict(strategy, profile, hw, overlap=overlap_for(strategy, first),
+                   **kwargs).step_time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
                 for link in links:
                     if link != "loopback" and not netns_ok:
                         lines.append(f"{strategy} x{workers} {link}: skipped, {netns_reason}")
+                        continue
+                    if strategy == "pipeline" and args.batch_size % workers:
+                        lines.append(f"{strategy} x{workers} {link}: skipped, --batch-size "
+                                     f"{args.batch_size} does not split over {workers} stages")
                         continue
                     outcome = measure(args, strategy, workers, link, root)
                     if not outcome.ok:

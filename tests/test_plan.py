@@ -158,15 +158,42 @@ def test_pipeline_boundary_is_the_tensor_at_the_balanced_cut():
     pr = profile(num_parameters=400, num_layers=4, chain=chain)
     p = predict("pipeline", pr, hardware(num_devices_per_node=2, intra_node_bandwidth=1e3),
                 batch_size_per_device=8, num_microbatches=4)
-    # (m + p - 1) slots, each with one transfer forward and one backward of 4 x 50 bytes.
-    assert p.comm_time == pytest.approx(5 * 2 * 200 / 1e3)
+    # m micro-batches, each one transfer forward and one backward of 4 x 50 bytes = 0.2 s.
+    assert p.comm_time == pytest.approx(4 * 2 * 0.2)
     # Without the chain the boundary is the average a / L = 1000 / 4 bytes per sample.
     q = predict("pipeline", profile(num_parameters=400, num_layers=4),
                 hardware(num_devices_per_node=2, intra_node_bandwidth=1e3),
                 batch_size_per_device=8, num_microbatches=4)
-    assert q.comm_time == pytest.approx(5 * 2 * 4 * 250 / 1e3)
+    assert q.comm_time == pytest.approx(4 * 2 * 4 * 250 / 1e3)
     with pytest.raises(ValueError, match="chain"):
         profile(chain=((-1, 1.0),))
+
+
+@pytest.mark.parametrize(("overlap", "step"), [
+    # slot = 4 samples x 1 ms / 2 stages = 2 ms; one transfer t = 0.2 s (link-bound).
+    # Fill and drain: (p - 1)(slot + 2t) = 0.402 s. Steady state, m = 4 micro-batches:
+    (1.0, 0.402 + 4 * 0.2),          # sends hidden behind compute: max(slot, t) each
+    (0.0, 0.402 + 4 * 0.402),        # nothing hidden: slot + 2t each = (m + p - 1)(slot + 2t)
+    (0.5, 0.402 + 4 * (0.1 + 0.201)),
+])
+def test_pipeline_step_overlaps_transfers_with_the_next_micro_batch(overlap, step):
+    pr = profile(num_parameters=400, num_layers=4,
+                 chain=((100, 1000.0), (100, 50.0), (100, 2000.0), (100, 40.0)))
+    p = predict("pipeline", pr, hardware(num_devices_per_node=2, intra_node_bandwidth=1e3),
+                batch_size_per_device=8, num_microbatches=4, overlap=overlap)
+    assert p.step_time == pytest.approx(step)
+    assert p.bubble_time == pytest.approx(0.002)
+    assert p.exposed_comm_time == pytest.approx(step - 5 * 0.002)
+
+
+def test_pipeline_compute_bound_hides_all_but_the_fill():
+    # slot = 2 ms, t = 0.2 ms: only the first micro-batch's 2(p - 1) transfers show.
+    pr = profile(num_parameters=400, num_layers=4,
+                 chain=((100, 1000.0), (100, 50.0), (100, 2000.0), (100, 40.0)))
+    p = predict("pipeline", pr, hardware(num_devices_per_node=2, intra_node_bandwidth=1e6),
+                batch_size_per_device=8, num_microbatches=4)
+    assert p.exposed_comm_time == pytest.approx(2 * 2e-4)
+    assert p.step_time == pytest.approx(5 * 2e-3 + 4e-4)
 
 
 def test_pipeline_needs_enough_layers():

@@ -103,7 +103,7 @@ def _cost(name: str, pr: ModelProfile, hw: Hardware, b: int, opts: dict[str, Any
         # Workers keep no optimizer state: the servers apply the update.
         return _Cost(**dp_kw, comm=comm, exposed=comm, traffic=w * (sg + sp) / k, note=f"+{k} server(s)")
     if name == "pipeline":
-        return _pipeline_cost(pr, hw, b, opts["num_microbatches"])
+        return _pipeline_cost(pr, hw, b, opts["num_microbatches"], opts["overlap"])
     # "dp": one process drives the node's devices; parameters are copied out of device 0 and
     # gradients copied back every step, serialized on device 0's link, with no overlap.
     n = hw.num_devices_per_node
@@ -118,9 +118,10 @@ def _slowest_link(hw: Hardware) -> tuple[float, float]:
     return hw.intra_node_bandwidth, hw.intra_node_latency
 
 
-def _pipeline_cost(pr: ModelProfile, hw: Hardware, b: int, m_opt: int | None) -> _Cost:
+def _pipeline_cost(pr: ModelProfile, hw: Hardware, b: int, m_opt: int | None,
+                   overlap: float) -> _Cost:
     # p stages = all devices; the mini-batch is b * p samples (same global batch as DDP),
-    # split into m micro-batches and scheduled GPipe-style.
+    # split into m micro-batches.
     p = hw.world_size
     batch = b * p
     m = min(4 * p, batch) if m_opt is None else m_opt
@@ -143,8 +144,17 @@ def _pipeline_cost(pr: ModelProfile, hw: Hardware, b: int, m_opt: int | None) ->
     bw, lat = _slowest_link(hw)  # the slowest stage boundary sets the pace
     p2p = 0.0 if p == 1 else lat + boundary / bw  # activation forward or its gradient backward
     slots = m + p - 1
-    comm = slots * 2 * p2p
-    return _Cost(devices=p, batch=batch, compute=m * slot, comm=comm, exposed=comm,
+    # The first micro-batch crosses every boundary forward and back with nothing to hide
+    # behind (fill and drain). In the steady state a stage's sends run while it computes
+    # the next micro-batch, and activations and gradients use the two directions of the
+    # link, so each micro-batch costs max(slot, one transfer) when sends overlap compute
+    # and slot + both transfers when they do not.
+    hidden = max(slot, p2p)
+    serial = slot + 2 * p2p
+    per_micro = overlap * hidden + (1 - overlap) * serial
+    step = (p - 1) * serial + m * per_micro
+    exposed = max(0.0, step - slots * slot)
+    return _Cost(devices=p, batch=batch, compute=m * slot, comm=2 * m * p2p, exposed=exposed,
                  bubble=(p - 1) * slot, bubble_fraction=(p - 1) / slots,
                  traffic=0.0 if p == 1 else 2 * m * boundary, note=f"m={m}")
 
