@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from torch.utils.data import Subset
 
 MODES = {"sync": {"mode": "sync"}, "ssp": {"mode": "ssp", "staleness": 2},
+         "ssp-inverse": {"mode": "ssp", "staleness": 2, "staleness_weighting": "inverse"},
          "async": {"mode": "async"}, "ddp": None}
+LABELS = {"ssp": "ssp(s=2)", "ssp-inverse": "ssp(s=2), inverse weights"}
 SCENARIOS = ("cpu", "device", "jitter")
 
 
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--slowdown", type=float, default=2.0, help="the straggler's step time, in step times")
     add("--test-samples", type=int, default=10000)
     add("--lr", type=float, default=1e-3)
-    add("--modes", default="sync,ssp,async,ddp")
+    add("--modes", default="sync,ssp,ssp-inverse,async,ddp")
     add("--scenarios", default=",".join(SCENARIOS))
     add("--device-factor", type=float, default=2.0,
         help="device and jitter scenarios: emulated device time per step, in step times T")
@@ -207,7 +209,7 @@ def print_table(scenario: str, results: dict[str, dict]) -> None:
     for mode, r in results.items():
         ratio = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "-"
         diff = f"{100 * (r['accuracy'] - base['accuracy']):+.1f}" if base else "-"
-        label = "ssp(s=2)" if mode == "ssp" else mode
+        label = LABELS.get(mode, mode)
         print(f"| {label} | {r['samples']} | {r['seconds']:.1f} | {r['samples_per_s']:.0f} | "
               f"{ratio} | {r['accuracy']:.4f} | {diff} | {r.get('max_staleness', '-')} |",
               flush=True)

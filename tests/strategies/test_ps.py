@@ -16,6 +16,7 @@ from torch import nn
 import paratrain
 from paratrain.strategies import ps_protocol as proto
 from paratrain.strategies.ps import PSOptions, PSStrategy, resolve_num_servers
+from paratrain.strategies.ps_server import average_round, staleness_weight
 from paratrain.strategies.ps_worker import assemble_state, split_state
 from paratrain.testing.reference import synthetic_classification, train_steps
 from paratrain.testing.spawn import spawn
@@ -84,10 +85,25 @@ def test_header_carries_learning_rates_exactly():
     ({"mode": "ssp", "staleness": -1}, "staleness must be an integer >= 0"),
     ({"num_servers": 0}, "num_servers must be an integer >= 1"),
     ({"optimizer_factory": 3}, "optimizer_factory must be callable"),
+    ({"mode": "ssp", "staleness_weighting": "linear"}, "staleness_weighting must be one of"),
 ])
 def test_bad_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
         PSOptions(**options)
+
+
+def test_round_average_is_the_plain_mean_unless_stale_gradients_are_weighted_down():
+    a, b, c = torch.tensor([3.0, 6.0]), torch.tensor([1.0, 2.0]), torch.tensor([5.0, -4.0])
+    plain = (a + b + c) / 3
+    assert torch.equal(average_round([a.clone(), b.clone(), c.clone()], [0, 2, 1], "equal"),
+                       plain)
+    # Every gradient fresh: weight 1 each, the same sum in the same order as "equal".
+    assert torch.equal(average_round([a.clone(), b.clone(), c.clone()], [0, 0, 0], "inverse"),
+                       plain)
+    # Weights 1, 1/3, 1/2: (a + b/3 + c/2) / (1 + 1/3 + 1/2).
+    weighted = average_round([a.clone(), b.clone(), c.clone()], [0, 2, 1], "inverse")
+    torch.testing.assert_close(weighted, (a + b / 3 + c / 2) / (11 / 6))
+    assert staleness_weight(3, "inverse") == 0.25 and staleness_weight(3, "equal") == 1.0
 
 
 def test_server_count_from_launcher_environment():
@@ -160,7 +176,10 @@ def test_sync_equals_ddp_equals_single_process_and_ssp0_equals_sync():
     # 2 workers x batch 4 = the reference's batch of 8; the parameters span 2 servers.
     # A per-step run.mean (a collective, so a park at the servers) must not change that.
     sync = spawn(train_worker_logging, 4, "ps", 4, 5, {"num_servers": 2}, timeout=SPAWN_TIMEOUT)
-    ssp0 = spawn(train_worker, 3, "ps", 4, 5, {"mode": "ssp", "staleness": 0}, timeout=SPAWN_TIMEOUT)
+    # ssp(0) with staleness weighting: every gradient is fresh, so it is sync exactly.
+    ssp0 = spawn(train_worker, 3, "ps", 4, 5,
+                 {"mode": "ssp", "staleness": 0, "staleness_weighting": "inverse"},
+                 timeout=SPAWN_TIMEOUT)
     ddp = spawn(train_worker, 2, "ddp", 4, 5, {}, timeout=SPAWN_TIMEOUT)
     assert sync[2:] == [None, None] and ssp0[2] is None  # servers return nothing
     for params, _ in [*sync[:2], *ssp0[:2], *ddp]:

@@ -38,6 +38,7 @@ from paratrain.strategies.ps_server import ParameterServer
 from paratrain.strategies.ps_worker import PSStats, WorkerClient
 
 MODES = ("sync", "async", "ssp")
+WEIGHTINGS = ("equal", "inverse")
 SERVERS_ENV = "PARATRAIN_PS_SERVERS"
 
 
@@ -57,6 +58,13 @@ class PSOptions:
     staleness: int = 0
     """The ssp bound ``s`` (``ssp`` with 0 is ``sync``)."""
 
+    staleness_weighting: str = "equal"
+    """How much a gradient counts: ``equal``, or ``inverse`` to weight it by
+    ``1 / (1 + staleness)`` (the staleness-aware rule of Zhang et al., 2016): an ssp
+    round becomes the weighted average of its gradients, and an async update is
+    scaled by the weight (for SGD a per-update learning rate; Adam mostly cancels a
+    constant scale). Fresh gradients have weight 1, so ``sync`` is unchanged."""
+
     optimizer_factory: Callable[[list[dict[str, Any]]], torch.optim.Optimizer] | None = None
     """Builds a server's optimizer from its param groups (dicts with ``params`` and the
     user's hyperparameters). None: the class and defaults of the optimizer given to
@@ -74,6 +82,9 @@ class PSOptions:
         if self.staleness and self.mode != "ssp":
             raise ValueError(f"staleness applies to mode='ssp' only (mode is {self.mode!r}); "
                              "use mode='ssp' or leave staleness at 0")
+        if self.staleness_weighting not in WEIGHTINGS:
+            raise ValueError(f"staleness_weighting must be one of {WEIGHTINGS}, got "
+                             f"{self.staleness_weighting!r}")
         if self.optimizer_factory is not None and not callable(self.optimizer_factory):
             raise ValueError("optimizer_factory must be callable (param groups -> optimizer)")
 
@@ -161,7 +172,8 @@ class PSStrategy(Strategy):
             server = ParameterServer(
                 layout=layout, server_index=self.topology.rank - self.num_workers,
                 worker_ranks=self.worker_ranks, mode=self.options.mode,
-                staleness=self.options.staleness, optimizer=optimizer,
+                staleness=self.options.staleness,
+                staleness_weighting=self.options.staleness_weighting, optimizer=optimizer,
                 optimizer_factory=self.options.optimizer_factory, group=self._wire_group,
                 timeout_s=self.timeout_s,
             )

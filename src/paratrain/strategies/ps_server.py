@@ -30,6 +30,30 @@ from torch import nn
 from paratrain.strategies import ps_protocol as proto
 
 
+def staleness_weight(staleness: int, weighting: str) -> float:
+    """A gradient's weight: 1, or ``1 / (1 + staleness)`` under ``inverse``."""
+    return 1.0 / (1 + staleness) if weighting == "inverse" else 1.0
+
+
+def average_round(grads: list[torch.Tensor], stalenesses: list[int],
+                  weighting: str) -> torch.Tensor:
+    """One ssp round's update: the (weighted) mean of its gradients, summed in list order.
+
+    Sums into the first gradient's storage. With equal weights (always, when every
+    gradient is fresh) this is exactly the plain mean an all-reduce computes.
+    """
+    weights = [staleness_weight(s, weighting) for s in stalenesses]
+    if all(w == 1 for w in weights):
+        total = grads[0]
+        for grad in grads[1:]:
+            total = total.add_(grad)
+        return total.div_(len(grads))
+    total = grads[0].mul_(weights[0])
+    for grad, weight in zip(grads[1:], weights[1:]):
+        total = total.add_(grad, alpha=weight)
+    return total.div_(sum(weights))
+
+
 class ParameterServer:
     """Serve one shard until every worker has sent ``done``.
 
@@ -39,6 +63,7 @@ class ParameterServer:
         worker_ranks: global ranks of the workers.
         mode: ``sync``, ``async`` or ``ssp``.
         staleness: the ssp bound (0 for sync).
+        staleness_weighting: ``equal`` or ``inverse`` (see :func:`staleness_weight`).
         optimizer: the user's optimizer; its parameters give the initial values and
             its class, defaults and param groups the server's optimizer.
         optimizer_factory: builds the server's optimizer from param groups instead.
@@ -47,11 +72,13 @@ class ParameterServer:
     """
 
     def __init__(self, *, layout: proto.FlatLayout, server_index: int, worker_ranks: list[int],
-                 mode: str, staleness: int, optimizer: torch.optim.Optimizer,
+                 mode: str, staleness: int, staleness_weighting: str = "equal",
+                 optimizer: torch.optim.Optimizer,
                  optimizer_factory: Callable | None, group: dist.ProcessGroup | None,
                  timeout_s: float) -> None:
         self.layout, self.mode, self.group, self.timeout_s = layout, mode, group, timeout_s
         self.staleness = 0 if mode == "sync" else staleness
+        self.weighting = staleness_weighting
         lo, hi = layout.ranges[server_index]
         flat = torch.cat([p.detach().reshape(-1).cpu() for g in optimizer.param_groups
                           for p in g["params"]])
@@ -122,8 +149,10 @@ class ParameterServer:
         self._set_lrs(lrs)
         self.pushes += 1
         if self.mode == "async":
-            self._record(src, self.version - self.pulled[src])
-            self._apply(grad)
+            staleness = self.version - self.pulled[src]
+            self._record(src, staleness)
+            weight = staleness_weight(staleness, self.weighting)
+            self._apply(grad if weight == 1 else grad.mul_(weight))
             self._reply(src)
             return
         self.rounds.setdefault(self.clock[src], {})[src] = (grad, self.pulled[src])
@@ -164,13 +193,14 @@ class ParameterServer:
             self.clock[w] > self.version for w in self.active
         ):
             contributions = self.rounds.pop(self.version)
-            total = None
             # A fixed order (by rank) makes the sum independent of arrival order.
+            grads, stalenesses = [], []
             for worker in sorted(contributions):
                 grad, pulled = contributions[worker]
                 self._record(worker, self.version - pulled)
-                total = grad if total is None else total.add_(grad)
-            self._apply(total.div_(len(contributions)))
+                grads.append(grad)
+                stalenesses.append(self.version - pulled)
+            self._apply(average_round(grads, stalenesses, self.weighting))
         for worker in sorted(self.deferred):
             if self.clock[worker] - self.version <= self.staleness:
                 self.deferred.discard(worker)
