@@ -140,6 +140,16 @@ def predicted_step(profile, strategy: str, workers: int, link: str, first: dict)
                    **kwargs).step_time
 
 
+def calibrate_micro(model, args):
+    """The model calibrated on one process at the pipeline's micro-batch size."""
+    micro = args.batch_size // microbatches_for(args.batch_size,
+                                                PipelineOptions().num_microbatches)
+    example = torch.randn(micro, *args.input_shape)
+    with torch.no_grad():
+        loss = make_loss(model(example), micro, torch.Generator().manual_seed(0))
+    return calibrate(model, example, loss, repeats=5)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategies", default="ddp,ps")
@@ -202,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                     if strategy == "pipeline":
                         # Its sync-free phase still runs the whole schedule (stages exchange
                         # activations inside no_sync too): not one device's compute. Each
-                        # stage is one process on its own core, so one process's
-                        # calibration is the closer input.
-                        situ = base
+                        # stage is one process on its own core and computes micro-batches,
+                        # so one process's calibration at the micro-batch size is the input.
+                        situ = calibrate_micro(model, args)
                     measured = statistics.median(first["step_s"])
                     row = {"link": link, "strategy": strategy, "workers": workers,
                            "compute_s": compute, "measured_s": measured,

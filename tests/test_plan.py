@@ -171,10 +171,11 @@ def test_pipeline_boundary_is_the_tensor_at_the_balanced_cut():
 
 @pytest.mark.parametrize(("overlap", "step"), [
     # slot = 4 samples x 1 ms / 2 stages = 2 ms; one transfer t = 0.2 s (link-bound).
-    # Fill and drain: (p - 1)(slot + 2t) = 0.402 s. Steady state, m = 4 micro-batches:
-    (1.0, 0.402 + 4 * 0.2),          # sends hidden behind compute: max(slot, t) each
-    (0.0, 0.402 + 4 * 0.402),        # nothing hidden: slot + 2t each = (m + p - 1)(slot + 2t)
-    (0.5, 0.402 + 4 * (0.1 + 0.201)),
+    # The first micro-batch: both stages and both transfers, 2 slot + 2t = 0.404 s. Then
+    # m - 1 = 3 more micro-batches:
+    (1.0, 0.404 + 3 * 0.2),          # sends hidden behind compute: max(slot, t) each
+    (0.0, 0.404 + 3 * 0.402),        # nothing hidden: slot + 2t each
+    (0.5, 0.404 + 3 * (0.1 + 0.201)),
 ])
 def test_pipeline_step_overlaps_transfers_with_the_next_micro_batch(overlap, step):
     pr = profile(num_parameters=400, num_layers=4,
@@ -194,6 +195,24 @@ def test_pipeline_compute_bound_hides_all_but_the_fill():
                 batch_size_per_device=8, num_microbatches=4)
     assert p.exposed_comm_time == pytest.approx(2 * 2e-4)
     assert p.step_time == pytest.approx(5 * 2e-3 + 4e-4)
+
+
+def test_pipeline_slowest_stage_sets_the_pace():
+    # Cut after child 2 (balanced parameters), but the first two children hold 4/5 of the
+    # compute: per micro-batch of 4 samples (4 ms of work) stage 0 takes 3.2 ms, stage 1
+    # 0.8 ms. No transfer cost. Step = both stages once + 3 x the slower = 13.6 ms; a
+    # device's average work is 4 x 4 / 2 = 8 ms, the rest is idle (bubble and imbalance).
+    pr = profile(num_parameters=400, num_layers=4,
+                 chain=((100, 1000.0), (100, 50.0), (100, 2000.0), (100, 40.0)),
+                 chain_times=(3e-4, 1e-4, 0.5e-4, 0.5e-4))
+    p = predict("pipeline", pr, hardware(num_devices_per_node=2, intra_node_bandwidth=1e18),
+                batch_size_per_device=8, num_microbatches=4)
+    assert p.step_time == pytest.approx(13.6e-3)
+    assert p.compute_time == pytest.approx(8e-3)
+    assert p.bubble_time == pytest.approx(5.6e-3)
+    assert p.bubble_fraction == pytest.approx(5.6 / 13.6)
+    with pytest.raises(ValueError, match="chain_times must have one entry per chain entry"):
+        profile(chain=((1, 1.0),), chain_times=(1.0, 2.0))
 
 
 def test_pipeline_needs_enough_layers():
@@ -368,7 +387,17 @@ def test_calibrate_tiny_model():
     assert pr.num_layers == 2
     # Per child: its parameters and its output per sample (what a pipeline cut there sends).
     assert pr.chain == ((8 * 16 + 16, 16 * 4.0), (0, 16 * 4.0), (16 * 4 + 4, 4 * 4.0))
+    assert len(pr.chain_times) == 3 and all(t > 0 for t in pr.chain_times)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_calibrate_times_each_child_so_compute_heavy_stages_show():
+    # A wide Linear (256 x 1024) and a narrow one (1024 x 2): the per-child times show
+    # where the compute is, which parameter counts alone would not.
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 2))
+    pr = calibrate(model, torch.randn(256, 256), repeats=3)
+    heavy, _, light = pr.chain_times
+    assert heavy > 5 * light
 
 
 def test_calibrate_default_convnet_and_custom_loss():

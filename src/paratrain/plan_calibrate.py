@@ -110,9 +110,42 @@ def calibrate(
                  if not list(m.children()) and any(True for _ in m.parameters(recurse=False)))
     chain = tuple((sum(p.numel() for p in child.parameters()), out / batch)
                   for child, out in zip(model.children(), outputs)) if hooks else ()
+    chain_times = _child_times(model, inputs, repeats) if hooks else ()
     return ModelProfile(
-        chain=chain, num_parameters=num_parameters, param_bytes=param_bytes, grad_bytes=param_bytes,
+        chain=chain, chain_times=tuple(t / batch for t in chain_times),
+        num_parameters=num_parameters, param_bytes=param_bytes, grad_bytes=param_bytes,
         activation_bytes_per_sample=sum(saved.values()) / batch,
         compute_time_per_sample=total / batch, backward_fraction=backward_fraction,
         num_layers=max(1, layers),
     )
+
+
+def _child_times(model: Any, inputs: tuple, repeats: int) -> tuple[float, ...]:
+    """Forward + backward seconds of each child of a Sequential, fed its real input.
+
+    Each child runs alone on the (detached) output of the one before, as a pipeline
+    stage does; its input needs a gradient unless it is the model's input. The median of
+    ``repeats`` timed passes after one warm-up.
+    """
+    import torch
+
+    times = []
+    args = inputs
+    with torch.enable_grad():
+        for index, child in enumerate(model.children()):
+            if index:
+                args = tuple(a.detach().requires_grad_(a.is_floating_point())
+                             if isinstance(a, torch.Tensor) else a for a in args)
+            samples = []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                output = child(*args)
+                first = output[0] if isinstance(output, (tuple, list)) else output
+                if isinstance(first, torch.Tensor) and first.requires_grad:
+                    first.backward(torch.ones_like(first))
+                if i:
+                    samples.append(time.perf_counter() - t0)
+            times.append(statistics.median(samples))
+            args = (output,)
+    model.zero_grad(set_to_none=True)
+    return tuple(times)

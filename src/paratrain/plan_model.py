@@ -133,29 +133,39 @@ def _pipeline_cost(pr: ModelProfile, hw: Hardware, b: int, m_opt: int | None,
                      applicable=False,
                      note=f"needs >= {p} layers, model has {layers}")
     micro = batch / m
-    slot = micro * pr.step_compute_time_per_sample / p  # one stage, one micro-batch, fwd + bwd
+    shares = [1.0 / p] * p  # of the model's compute, per stage
     if pr.chain and p > 1:
         # Cut as the pipeline strategy cuts (balanced parameters); the largest crossing
         # tensor sets the pace of the boundary transfers.
         cuts = balanced_split([params for params, _ in pr.chain], p)
         boundary = micro * max(pr.chain[i - 1][1] for i in cuts)
+        if sum(pr.chain_times) > 0:
+            bounds = [0, *cuts, len(pr.chain)]
+            shares = [sum(pr.chain_times[lo:hi]) / sum(pr.chain_times)
+                      for lo, hi in zip(bounds, bounds[1:])]
     else:
         boundary = micro * pr.activation_bytes_per_sample / pr.num_layers
+    # One stage's forward + backward of one micro-batch. Parameters balance the cut, not
+    # compute: the slowest stage sets the pace.
+    stage = [micro * pr.step_compute_time_per_sample * share for share in shares]
+    slot_max, slot_sum = max(stage), sum(stage)
     bw, lat = _slowest_link(hw)  # the slowest stage boundary sets the pace
     p2p = 0.0 if p == 1 else lat + boundary / bw  # activation forward or its gradient backward
-    slots = m + p - 1
-    # The first micro-batch crosses every boundary forward and back with nothing to hide
-    # behind (fill and drain). In the steady state a stage's sends run while it computes
-    # the next micro-batch, and activations and gradients use the two directions of the
-    # link, so each micro-batch costs max(slot, one transfer) when sends overlap compute
-    # and slot + both transfers when they do not.
-    hidden = max(slot, p2p)
-    serial = slot + 2 * p2p
+    # The first micro-batch passes every stage and crosses every boundary forward and back
+    # with nothing to hide behind (fill and drain). In the steady state a stage computes
+    # the next micro-batch while its sends are in flight, and activations and gradients
+    # use the two directions of the link, so each further micro-batch costs
+    # max(slowest stage, one transfer) when sends overlap compute and the slowest stage
+    # plus both transfers when they do not.
+    hidden = max(slot_max, p2p)
+    serial = slot_max + 2 * p2p
     per_micro = overlap * hidden + (1 - overlap) * serial
-    step = (p - 1) * serial + m * per_micro
-    exposed = max(0.0, step - slots * slot)
-    return _Cost(devices=p, batch=batch, compute=m * slot, comm=2 * m * p2p, exposed=exposed,
-                 bubble=(p - 1) * slot, bubble_fraction=(p - 1) / slots,
+    busy = slot_sum + (m - 1) * slot_max  # the step without transfers
+    step = slot_sum + 2 * (p - 1) * p2p + (m - 1) * per_micro
+    compute = m * slot_sum / p  # one device's work, on average
+    return _Cost(devices=p, batch=batch, compute=compute, comm=2 * m * p2p,
+                 exposed=max(0.0, step - busy), bubble=busy - compute,
+                 bubble_fraction=(busy - compute) / busy if busy > 0 else 0.0,
                  traffic=0.0 if p == 1 else 2 * m * boundary, note=f"m={m}")
 
 

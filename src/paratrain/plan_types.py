@@ -70,6 +70,10 @@ class ModelProfile:
     """For an ``nn.Sequential``: per child, ``(parameters, output bytes per sample)``.
     The pipeline is cut between children, so this gives what crosses each cut; empty:
     a boundary is estimated as ``activation_bytes_per_sample / num_layers``."""
+    chain_times: tuple[float, ...] = ()
+    """Per child of ``chain``: forward + backward seconds per sample, each child timed
+    alone. Only the shares matter: a pipeline stage's time is its children's share of
+    ``compute_time_per_sample``. Empty: stages are assumed equal."""
 
     def __post_init__(self) -> None:
         _positive_int("num_parameters", self.num_parameters)
@@ -86,6 +90,11 @@ class ModelProfile:
                     or link[0] < 0):
                 raise ValueError(f"chain entries must be (parameters >= 0, output bytes), got {link!r}")
             _number("chain output bytes", link[1], positive=False)
+        if self.chain_times and len(self.chain_times) != len(self.chain):
+            raise ValueError(f"chain_times must have one entry per chain entry "
+                             f"({len(self.chain)}), got {len(self.chain_times)}")
+        for seconds in self.chain_times:
+            _number("chain_times", seconds, positive=False)
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(
                 f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}"
