@@ -40,14 +40,10 @@ def average_round(grads: list[torch.Tensor], stalenesses: list[int],
     """One ssp round's update: the (weighted) mean of its gradients, summed in list order.
 
     Sums into the first gradient's storage. With equal weights (always, when every
-    gradient is fresh) this is exactly the plain mean an all-reduce computes.
+    gradient is fresh) this is exactly the plain mean an all-reduce computes: weights of
+    1 multiply exactly.
     """
     weights = [staleness_weight(s, weighting) for s in stalenesses]
-    if all(w == 1 for w in weights):
-        total = grads[0]
-        for grad in grads[1:]:
-            total = total.add_(grad)
-        return total.div_(len(grads))
     total = grads[0].mul_(weights[0])
     for grad, weight in zip(grads[1:], weights[1:]):
         total = total.add_(grad, alpha=weight)
