@@ -106,6 +106,37 @@ def test_round_average_is_the_plain_mean_unless_stale_gradients_are_weighted_dow
     assert staleness_weight(3, "inverse") == 0.25 and staleness_weight(3, "equal") == 1.0
 
 
+def outbox_worker(rank, world_size):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if rank == 1:
+        got = []
+        for _ in range(5):
+            buffer = torch.empty(1000)
+            dist.recv(buffer, 0, tag=7)
+            got.append(int(buffer[0]))
+        dist.send(torch.zeros(1), 0, tag=8)  # the next request: every reply was read
+        return got
+    outbox = proto.Outbox(None)
+    for i in range(5):
+        outbox.send(torch.full((1000,), float(i)), 1, tag=7)
+    dist.recv(torch.empty(1), 1, tag=8)
+    before = len(outbox)
+    outbox.settle(0)  # nothing was sent to rank 0
+    unchanged = len(outbox)
+    outbox.settle(1)
+    return before, unchanged, len(outbox)
+
+
+def test_outbox_releases_a_peers_buffers_once_it_has_read_them():
+    # Gloo reports a send complete only once waited for: without settle() a server would
+    # keep every parameter copy it ever sent (gigabytes over an epoch).
+    (before, unchanged, after), got = spawn(outbox_worker, 2, timeout=SPAWN_TIMEOUT)
+    assert got == [0, 1, 2, 3, 4]
+    assert (before, unchanged, after) == (5, 5, 0)
+
+
 def test_server_count_from_launcher_environment():
     assert resolve_num_servers(PSOptions(), {}) == 1
     assert resolve_num_servers(PSOptions(), {"PARATRAIN_PS_SERVERS": "2"}) == 2

@@ -114,16 +114,36 @@ def parse_header(header: torch.Tensor) -> tuple[int, int, list[float]]:
 
 
 class Outbox:
-    """Non-blocking sends whose buffers stay alive until they complete."""
+    """Non-blocking sends whose buffers stay alive until they are waited for.
+
+    Gloo's send ``Work`` reports completion only once it has been waited for, so the
+    buffers are released by :meth:`settle` (one destination) or :meth:`wait` (all).
+    """
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending: list[tuple[int, dist.Work, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.contiguous()
-        self._pending.append((dist.isend(tensor, dst, group=self.group, tag=tag), tensor))
-        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        self._pending.append((dst, dist.isend(tensor, dst, group=self.group, tag=tag), tensor))
+
+    def settle(self, dst: int) -> None:
+        """Wait for every send to ``dst`` and release its buffer.
+
+        Call it only when ``dst`` has received them (e.g. it sent a new request after
+        reading every reply to the previous one); then it returns at once.
+        """
+        keep = []
+        for peer, work, tensor in self._pending:
+            if peer == dst:
+                work.wait()
+            else:
+                keep.append((peer, work, tensor))
+        self._pending = keep
 
     def send_tensor_dict(self, tensors: dict[str, torch.Tensor], dst: int, tag: int) -> None:
         """Send ``{name: tensor}`` as tensors: a count, then per entry meta, name bytes, data."""
@@ -141,7 +161,7 @@ class Outbox:
                 self.send(value.detach().cpu().clone(), dst, tag)
 
     def wait(self) -> None:
-        for work, _ in self._pending:
+        for _, work, _ in self._pending:
             work.wait()
         self._pending.clear()
 

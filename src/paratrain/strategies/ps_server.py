@@ -119,6 +119,11 @@ class ParameterServer:
                     proto.LOAD: self._on_load, proto.STATS: self._on_stats}
         while len(self.done) < len(self.workers):
             src = self._recv_header(header)
+            # A worker sends its next request only after reading every reply to its last
+            # one: the sends to it are complete, and their buffers can go. Without this a
+            # server would hold every parameter copy it ever sent (gloo reports a send
+            # complete only once it is waited for).
+            self.outbox.settle(src)
             kind, arg, lrs = proto.parse_header(header)
             if src not in self.clock or kind not in handlers:
                 raise RuntimeError(f"parameter server rank {dist.get_rank()}: unexpected "
