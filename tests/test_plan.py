@@ -391,6 +391,16 @@ def test_calibrate_tiny_model():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_calibrate_handles_in_place_children_and_keeps_the_input():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4),
+                          nn.ReLU(inplace=True))
+    example = torch.randn(5, 8)
+    before = example.clone()
+    pr = calibrate(model, example, repeats=2)
+    assert len(pr.chain_times) == 4
+    assert torch.equal(example, before)
+
+
 def test_calibrate_times_each_child_so_compute_heavy_stages_show():
     # A wide Linear (256 x 1024) and a narrow one (1024 x 2): the per-child times show
     # where the compute is, which parameter counts alone would not.

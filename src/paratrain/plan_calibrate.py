@@ -129,23 +129,30 @@ def _child_times(model: Any, inputs: tuple, repeats: int) -> tuple[float, ...]:
     """
     import torch
 
+    def fresh(value: Any, needs_grad: bool) -> Any:
+        # A new non-leaf tensor per pass: in-place children (ReLU(inplace=True)) may
+        # modify it, and the caller's example input stays untouched.
+        if not isinstance(value, torch.Tensor):
+            return value
+        if needs_grad and value.is_floating_point():
+            return value.detach().requires_grad_(True) + 0
+        return value.detach().clone()
+
     times = []
     args = inputs
     with torch.enable_grad():
         for index, child in enumerate(model.children()):
-            if index:
-                args = tuple(a.detach().requires_grad_(a.is_floating_point())
-                             if isinstance(a, torch.Tensor) else a for a in args)
             samples = []
             for i in range(repeats + 1):
+                call = tuple(fresh(a, needs_grad=index > 0) for a in args)
                 t0 = time.perf_counter()
-                output = child(*args)
+                output = child(*call)
                 first = output[0] if isinstance(output, (tuple, list)) else output
                 if isinstance(first, torch.Tensor) and first.requires_grad:
                     first.backward(torch.ones_like(first))
                 if i:
                     samples.append(time.perf_counter() - t0)
             times.append(statistics.median(samples))
-            args = (output,)
+            args = (output.detach() if isinstance(output, torch.Tensor) else output,)
     model.zero_grad(set_to_none=True)
     return tuple(times)
