@@ -68,7 +68,7 @@ class ParameterServer:
     """
 
     def __init__(self, *, layout: proto.FlatLayout, server_index: int, worker_ranks: list[int],
-                 mode: str, staleness: int, staleness_weighting: str = "equal",
+                 mode: str, staleness: int, staleness_weighting: str,
                  optimizer: torch.optim.Optimizer,
                  optimizer_factory: Callable | None, group: dist.ProcessGroup | None,
                  timeout_s: float) -> None:
@@ -183,8 +183,8 @@ class ParameterServer:
 
     def _on_stats(self, src: int, arg: int, lrs: list[float]) -> None:
         elapsed_us = int((time.perf_counter() - self._started) * 1e6)
-        head = torch.tensor([self.version, self.pushes, elapsed_us, self.replies],
-                            dtype=torch.int64)
+        head = torch.tensor([self.version, self.pushes, elapsed_us, self.replies,
+                             len(self.outbox)], dtype=torch.int64)
         self.outbox.send(torch.cat([head, self.histogram.reshape(-1)]), src, proto.STATS_TAG)
 
     # -- rounds, replies and releases ----------------------------------------------------

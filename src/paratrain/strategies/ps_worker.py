@@ -19,6 +19,8 @@ class PSStats:
         pushes: gradients received from all workers.
         elapsed_s: seconds since the servers started serving.
         replies: parameter ranges the first server has sent to workers.
+        pending_sends: sends the first server still holds a buffer for (replies not yet
+            known to be read); stays below a few per worker.
         histogram: int64 ``[num_workers, STALENESS_BINS]``: for each worker, how many
             of its gradients were applied ``k`` updates after the parameters they
             were computed on (bin ``k``; the last bin counts ``k >= 31``). Summed
@@ -30,6 +32,7 @@ class PSStats:
     elapsed_s: float
     histogram: torch.Tensor
     replies: int = 0
+    pending_sends: int = 0
 
     @property
     def max_staleness(self) -> int:
@@ -38,7 +41,7 @@ class PSStats:
         return int(seen.max()) if seen.numel() else 0
 
 
-_STATS_HEAD = 4  # updates, pushes, elapsed_us, replies; then the histogram
+_STATS_HEAD = 5  # updates, pushes, elapsed_us, replies, pending sends; then the histogram
 
 
 class WorkerClient:
@@ -105,10 +108,10 @@ class WorkerClient:
             self._wait(lambda r=reply, s=server: dist.recv(r, s, group=self.group,
                                                            tag=proto.STATS_TAG), server)
             replies.append(reply)
-        updates, pushes, elapsed_us, sent = replies[0][:_STATS_HEAD].tolist()
+        updates, pushes, elapsed_us, sent, pending = replies[0][:_STATS_HEAD].tolist()
         histogram = torch.stack([r[_STATS_HEAD:] for r in replies]).sum(dim=0)
         return PSStats(updates=updates, pushes=pushes, elapsed_s=elapsed_us / 1e6, replies=sent,
-                       histogram=histogram.reshape(self.num_workers, proto.STALENESS_BINS))
+                       pending_sends=pending, histogram=histogram.reshape(self.num_workers, proto.STALENESS_BINS))
 
     def done(self, lrs: list[float]) -> None:
         self._send_headers(proto.DONE, 0, lrs)
