@@ -134,16 +134,19 @@ def predicted_step(profile, strategy: str, workers: int, link: str, first: dict)
         # in the strategy's default number of micro-batches; the planner's mini-batch is
         # p x batch_size_per_device.
         kwargs = {"batch_size_per_device": first["batch_size"] // workers,
-                  "num_microbatches": microbatches_for(first["batch_size"],
-                                                       PipelineOptions().num_microbatches)}
+                  "num_microbatches": pipeline_microbatches(first["batch_size"])}
     return predict(strategy, profile, hw, overlap=overlap_for(strategy, first),
                    **kwargs).step_time
 
 
+def pipeline_microbatches(batch_size: int) -> int:
+    """Micro-batches the pipeline job cuts its mini-batch into (the strategy's default)."""
+    return microbatches_for(batch_size, PipelineOptions().num_microbatches)
+
+
 def calibrate_micro(model, args):
     """The model calibrated on one process at the pipeline's micro-batch size."""
-    micro = args.batch_size // microbatches_for(args.batch_size,
-                                                PipelineOptions().num_microbatches)
+    micro = args.batch_size // pipeline_microbatches(args.batch_size)
     example = torch.randn(micro, *args.input_shape)
     with torch.no_grad():
         loss = make_loss(model(example), micro, torch.Generator().manual_seed(0))
@@ -182,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibrated {args.model}: {base.num_parameters:,} parameters, "
           f"{base.compute_time_per_sample * 1e3:.3f} ms/sample on one process, "
           f"backward share {base.backward_fraction:.2f}, {base.num_layers} layers")
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    # The pipeline's stages compute micro-batches: one calibration at that size serves
+    # every pipeline cell (its size does not depend on the number of stages).
+    micro = calibrate_micro(model, args) if "pipeline" in strategies else None
 
     from paratrain.testing import netns
 
@@ -189,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, lines = [], []
     with tempfile.TemporaryDirectory(prefix="plan-validation-") as tmp:
         root = Path(args.workdir or tmp)
-        for strategy in [s.strip() for s in args.strategies.split(",") if s.strip()]:
+        for strategy in strategies:
             if strategy not in available_strategies():
                 lines.append(f"{strategy}: skipped, not in the strategy registry")
                 continue
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                         # activations inside no_sync too): not one device's compute. Each
                         # stage is one process on its own core and computes micro-batches,
                         # so one process's calibration at the micro-batch size is the input.
-                        situ = calibrate_micro(model, args)
+                        situ = micro
                     measured = statistics.median(first["step_s"])
                     row = {"link": link, "strategy": strategy, "workers": workers,
                            "compute_s": compute, "measured_s": measured,

@@ -139,10 +139,10 @@ def _pipeline_cost(pr: ModelProfile, hw: Hardware, b: int, m_opt: int | None,
         # tensor sets the pace of the boundary transfers.
         cuts = balanced_split([params for params, _ in pr.chain], p)
         boundary = micro * max(pr.chain[i - 1][1] for i in cuts)
-        if sum(pr.chain_times) > 0:
+        total = sum(pr.chain_times)
+        if total > 0:
             bounds = [0, *cuts, len(pr.chain)]
-            shares = [sum(pr.chain_times[lo:hi]) / sum(pr.chain_times)
-                      for lo, hi in zip(bounds, bounds[1:])]
+            shares = [sum(pr.chain_times[lo:hi]) / total for lo, hi in zip(bounds, bounds[1:])]
     else:
         boundary = micro * pr.activation_bytes_per_sample / pr.num_layers
     # One stage's forward + backward of one micro-batch. Parameters balance the cut, not
