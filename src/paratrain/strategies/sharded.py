@@ -101,14 +101,40 @@ def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"sharded checkpoint directory {directory} is missing")
     state = _state(modules, optimizers)
+    own_groups = {key: [list(group["params"]) for group in value["param_groups"]]
+                  for key, value in state.items() if key.startswith("optimizer_")}
     with warnings.catch_warnings():
         # A single process loads without a process group on purpose.
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
         dcp.load(state, checkpoint_id=str(directory))
+    for key, groups in own_groups.items():
+        _adopt_own_parameter_names(state[key], groups, directory)
     for index, module in enumerate(modules):
         set_model_state_dict(module, state[f"model_{index}"])
     for index, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(modules[0], optimizer, state[f"optimizer_{index}"])
+
+
+def _adopt_own_parameter_names(optimizer_state: dict[str, Any], own_groups: list[list[str]],
+                               directory: str | os.PathLike) -> None:
+    """Give each loaded param group this rank's parameter names, keeping its hyperparameters.
+
+    DCP stores non-tensor entries once, from one rank: every rank reads back the
+    ``param_groups`` of the rank that wrote them, whose name lists cover only *that*
+    rank's parameters (a pipeline stage, say). Groups line up by index on every rank
+    (``rebuild_optimizer`` keeps empty groups), so the hyperparameters are shared and
+    only the names are this rank's own; without this, a group of another stage's names
+    leaves this rank's parameters in a group without ``lr``/``betas``/``momentum``.
+    """
+    loaded = optimizer_state["param_groups"]
+    if len(loaded) != len(own_groups):
+        raise ValueError(
+            f"checkpoint {directory} has {len(loaded)} optimizer param group(s) but this "
+            f"optimizer has {len(own_groups)}; build the optimizer with the same groups"
+        )
+    optimizer_state["param_groups"] = [
+        {**group, "params": names} for group, names in zip(loaded, own_groups)
+    ]
 
 
 # -- evaluation in lockstep ----------------------------------------------------------
