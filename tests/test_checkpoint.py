@@ -90,3 +90,37 @@ def test_rng_state_roundtrip_through_a_checkpoint(tmp_path):
     assert torch.equal(expected[0], got[0]) and expected[1:3] == got[1:3]
     assert np.array_equal(expected[3], got[3])
     assert blob.dtype == torch.uint8 and blob.numel() == checkpoint.rng_state().numel()
+
+
+def test_a_text_file_named_like_a_checkpoint_is_reported_as_damaged_not_as_unsafe(tmp_path):
+    path = tmp_path / checkpoint.checkpoint_name(3)
+    path.write_text("hello, this is not a checkpoint\n")
+    with pytest.raises(checkpoint.UnreadableCheckpoint, match="not a torch.save archive"):
+        checkpoint.safe_load(path)
+
+
+def test_long_torch_messages_are_cut_at_a_sentence():
+    exc = RuntimeError("First sentence. " + "word " * 100)
+    assert checkpoint.first_sentence(exc, limit=60) == "First sentence."
+
+
+def test_describe_mismatch_names_the_first_key_and_shape():
+    model = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4), "c": torch.zeros(1)}
+    found = {"a.weight": torch.zeros(2, 5), "b.weight": torch.zeros(4), "d": torch.zeros(1),
+             "e": torch.zeros(1)}
+    text = checkpoint.describe_mismatch(model, found)
+    assert "missing key 'c'" in text
+    assert "unexpected key 'd' and 1 more" in text
+    assert "shape of 'a.weight' is (2, 5) in the checkpoint, (2, 3) in the model" in text
+    assert checkpoint.describe_mismatch(model, model) == ""
+
+
+def test_checkpoint_dir_that_is_a_file_or_unwritable_fails_at_once(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="checkpoint_dir .* is a file, not a directory"):
+        checkpoint.check_writable(a_file)
+    with pytest.raises(ValueError, match="checkpoint_dir .* cannot be written"):
+        checkpoint.check_writable(a_file / "below")
+    checkpoint.check_writable(tmp_path / "new" / "dir")
+    assert (tmp_path / "new" / "dir").is_dir()

@@ -97,7 +97,7 @@ def test_resume_in_the_same_layout_is_bitwise_exact(layout, optimizer_name, tmp_
 
 
 @pytest.mark.parametrize("source, target", [
-    ("pipeline", "ddp"), ("fsdp", "ddp"), ("pipeline", "fsdp"),
+    ("pipeline", "ddp"), ("fsdp", "ddp"), ("pipeline", "fsdp"), ("ddp", "fsdp"),
 ])
 def test_resume_in_another_layout_continues_the_run(source, target, tmp_path):
     (full_losses, full_steps, full_params), (losses, steps, params) = \
@@ -110,3 +110,11 @@ def test_resume_in_another_layout_continues_the_run(source, target, tmp_path):
     assert common
     for name in common:
         torch.testing.assert_close(params[name], full_params[name], rtol=1e-3, atol=1e-4)
+
+
+def test_a_one_file_checkpoint_into_a_pipeline_is_refused_in_one_line(tmp_path):
+    from paratrain.testing.spawn import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match="was written by 'ddp' in the one-file format, which "
+                                           "strategy 'pipeline' cannot read"):
+        uninterrupted_then_resumed("ddp", "pipeline", "adam", tmp_path)

@@ -14,6 +14,8 @@ import pickle
 import random
 import re
 import tempfile
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,15 @@ import torch
 
 _NAME = re.compile(r"^step-(\d{9,})\.pt$")
 FORMAT_VERSION = 1
+_PICKLE_PROTO = b"\x80"  # first byte of every pickle of protocol 2 or later
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the file and the reason."""
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """The file itself is damaged (corrupt, truncated, not a checkpoint): nothing was loaded."""
 
 
 def checkpoint_name(global_step: int) -> str:
@@ -76,19 +83,80 @@ def safe_load(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    with open(path, "rb") as f:
+        head = f.read(1)
+    if not zipfile.is_zipfile(path) and head != _PICKLE_PROTO:
+        # torch.save writes a zip archive (or, in its legacy format, a pickle); anything
+        # else would reach the unpickler and be misreported as "objects other than tensors".
+        size = path.stat().st_size
+        raise UnreadableCheckpoint(
+            f"checkpoint {path} is corrupt or truncated: not a torch.save archive "
+            f"({size} bytes); delete it to resume from an earlier checkpoint"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"checkpoint {path} was refused: it contains objects other than tensors and plain "
-            f"containers ({first_line[:160]}); only load files you trust with other tools"
+            f"containers ({first_sentence(exc)}); only load files you trust with other tools"
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated: {exc}") from None
+        raise UnreadableCheckpoint(
+            f"checkpoint {path} is corrupt or truncated: {first_sentence(exc)}"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != "paratrain":
         raise CheckpointError(f"checkpoint {path} was not written by paratrain")
     return state
+
+
+def first_sentence(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, ended at a sentence, never mid-word."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(". ", 0, limit)
+    return line[: cut + 1] if cut > 0 else line[: line.rfind(" ", 0, limit)] + " ..."
+
+
+def describe_mismatch(expected: Mapping[str, Any], found: Mapping[str, Any]) -> str:
+    """What differs between two state dicts: first missing and unexpected key, first shape.
+
+    ``expected`` is what the model holds, ``found`` what the checkpoint holds; values are
+    tensors (or anything with ``.shape``). Returns "" when names and shapes agree.
+    """
+    parts = []
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    if missing:
+        parts.append(f"missing key {missing[0]!r}" + (f" and {len(missing) - 1} more"
+                                                       if len(missing) > 1 else ""))
+    if unexpected:
+        parts.append(f"unexpected key {unexpected[0]!r}" + (f" and {len(unexpected) - 1} more"
+                                                             if len(unexpected) > 1 else ""))
+    for key, value in expected.items():
+        shape, other = getattr(value, "shape", None), getattr(found.get(key), "shape", None)
+        if shape is not None and other is not None and tuple(shape) != tuple(other):
+            parts.append(f"shape of {key!r} is {tuple(other)} in the checkpoint, "
+                         f"{tuple(shape)} in the model")
+            break
+    return "; ".join(parts)
+
+
+def check_writable(directory: str | os.PathLike) -> None:
+    """ValueError in one line unless ``directory`` is (or can become) a writable directory."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"checkpoint_dir {str(path)!r} is a file, not a directory; "
+                         "pass a directory path (it is created when missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"checkpoint_dir {str(path)!r} cannot be written ({reason}); "
+                         "choose a directory this user can write") from None
 
 
 def prune(directory: str | os.PathLike, keep: int) -> None:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain import faults, health, signals
+from paratrain import checkpoint, faults, health, signals
 from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.config import RunConfig
 from paratrain.data import DistributedLoader, ShardedSampler
@@ -63,6 +63,9 @@ class Run:
         if "timeout_s" not in config and (env_timeout := health.env_timeout_s()) is not None:
             config["timeout_s"] = env_timeout
         self.config = RunConfig(**config)
+        if self.config.checkpoint_dir is not None:
+            # Now, not at the first save an epoch later.
+            checkpoint.check_writable(self.config.checkpoint_dir)
         self.topology = Topology.from_env(environ, accelerator=self.config.accelerator)
         self._closed = False
         self._owns_group = init_process_group(self.topology, timeout_s=self.config.timeout_s)

@@ -30,6 +30,7 @@ class RunState:
         self.epoch = 0
         self._resume_cursor: DataCursor | None = None
         self._resume_checked = False
+        self._last_saved: tuple[str, int] | None = None
 
     def register(self, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
         self.models.append(model)
@@ -64,10 +65,20 @@ class RunState:
             return
         self._resume_checked = True
         directory = self._run.config.checkpoint_dir
-        latest = checkpoint.latest_checkpoint(directory) if directory else None
-        if latest is not None:
-            self.load(latest)
-            self._run.print(f"resumed from {latest} (epoch {self.epoch}, step {self.global_step})")
+        candidates = checkpoint.list_checkpoints(directory) if directory else []
+        for index in range(len(candidates) - 1, -1, -1):
+            path = candidates[index]
+            try:
+                self.load(path)
+            except checkpoint.UnreadableCheckpoint as exc:
+                if index == 0:
+                    raise
+                # Reading the file failed before anything was restored: an older one is safe.
+                self._run.print(f"paratrain: warning: {exc}; resuming from "
+                                f"{candidates[index - 1]} instead")
+                continue
+            self._run.print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
+            return
 
     # -- save -------------------------------------------------------------------------
     def _cursor(self) -> DataCursor:
@@ -89,6 +100,11 @@ class RunState:
         directory = directory or run.config.checkpoint_dir
         if directory is None:
             raise ValueError("save() needs a directory (or Run(checkpoint_dir=...))")
+        path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
+        if self._last_saved == (str(directory), self.global_step):
+            # Already saved at this step (checkpoint_every and an end-of-epoch save):
+            # every rank sees the same history, so all skip the collective together.
+            return str(path) if run.is_main else None
         strategy = run.strategy
         cursor = self._cursor()
         state = {
@@ -103,7 +119,6 @@ class RunState:
             "precision": run.precision.state_dict(),
             "rng": self._gather_rng(),
         }
-        path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
         if strategy.replicated:
             # State dicts may be collective (sharded strategies): every rank calls them.
             state["models"] = [strategy.model_state_dict(m) for m in self.models]
@@ -125,6 +140,7 @@ class RunState:
             _prune_sharded(Path(directory))
         # Nobody continues (and may be killed) before the file is complete.
         strategy.barrier()
+        self._last_saved = (str(directory), self.global_step)
         return written
 
     # -- load ---------------------------------------------------------------------------
@@ -143,19 +159,25 @@ class RunState:
                 run.strategy.load_sharded_state(str(Path(path).parent / state["sharded"]),
                                                 self.models, self.optimizers)
             except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
-                reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
                 raise CheckpointError(
                     f"sharded checkpoint {path} does not match the model or optimizer "
-                    f"({type(exc).__name__}: {reason})"
+                    f"({type(exc).__name__}: {checkpoint.first_sentence(exc)})"
                 ) from None
+        if state["models"] and not run.strategy.reads_full_state:
+            raise CheckpointError(
+                f"checkpoint {path} was written by '{state.get('strategy')}' in the one-file "
+                f"format, which strategy '{run.strategy.name}' cannot read; resume it with "
+                "single, ddp or fsdp (a checkpoint saved from those under fsdp loads anywhere)"
+            )
         for model, model_state in zip(self.models, state["models"]):
             try:
                 run.strategy.load_model_state_dict(model, model_state)
             except (RuntimeError, KeyError, ValueError) as exc:
-                reason = str(exc).strip().splitlines()[0][:200]
+                detail = checkpoint.describe_mismatch(
+                    run.strategy.model_state_dict(model), model_state)
                 raise CheckpointError(
-                    f"checkpoint {path} does not match the model ({reason}); "
-                    "was it written for another model?"
+                    f"checkpoint {path} does not match the model: "
+                    f"{detail or checkpoint.first_sentence(exc)}"
                 ) from None
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             try:

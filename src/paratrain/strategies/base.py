@@ -37,6 +37,9 @@ class Strategy:
     Options: ClassVar[type] = NoOptions
     replicated: ClassVar[bool] = True
     """Every data-parallel rank holds the full model: rank 0 alone writes checkpoints."""
+    reads_full_state: ClassVar[bool] = True
+    """A one-file checkpoint (full tensors, written by a replicated strategy) loads; a
+    pipeline stage cannot map one onto its layers."""
     timeout_s: float = 300.0
     """Seconds to wait for a peer before failing; the Run sets it from ``RunConfig.timeout_s``."""
 

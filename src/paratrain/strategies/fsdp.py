@@ -23,7 +23,13 @@ from torch import nn
 
 from paratrain.mesh import ParallelDegrees, ParallelMesh
 from paratrain.strategies.base import Strategy
-from paratrain.strategies.sharded import lockstep_batches, parameter_names, rebuild_optimizer
+from paratrain.strategies.sharded import (
+    load_full_model_state,
+    load_full_optimizer_state,
+    lockstep_batches,
+    parameter_names,
+    rebuild_optimizer,
+)
 from paratrain.topology import Topology
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -170,6 +176,18 @@ class FSDPStrategy(Strategy):
             yield from super().evaluation_batches(batches)
             return
         yield from lockstep_batches(batches, device=self.topology.device)
+
+    # A one-file checkpoint (single/ddp) holds full tensors: shard them on load.
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        if not self.active:
+            return super().load_model_state_dict(model, state)
+        load_full_model_state(model, state)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict) -> None:
+        if not self.active:
+            return super().load_optimizer_state_dict(model, optimizer, state)
+        load_full_optimizer_state(model, optimizer, state)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded model state on every rank (collective), e.g. for export."""

@@ -92,6 +92,7 @@ class HybridStrategy(Strategy):
         self.inner = inner
         self.degrees = degrees
         self.replicated = inner.replicated  # type: ignore[misc]
+        self.reads_full_state = inner.reads_full_state  # type: ignore[misc]
 
     def notice(self) -> str | None:
         d = self.degrees
@@ -125,6 +126,13 @@ class HybridStrategy(Strategy):
 
     def checkpoint_module(self, model: nn.Module) -> nn.Module:
         return self.inner.checkpoint_module(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self.inner.load_model_state_dict(model, state)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict) -> None:
+        self.inner.load_optimizer_state_dict(model, optimizer, state)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.inner.backward(loss)

@@ -104,6 +104,7 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     Options = PipelineOptions
     replicated = False
+    reads_full_state = False
 
     def __init__(self, topology: Topology, options: Any = None, *,
                  degrees: ParallelDegrees | None = None) -> None:

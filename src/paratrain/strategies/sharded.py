@@ -86,7 +86,10 @@ def save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
     """Write every rank's shards of models and optimizers to ``directory`` (collective)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(modules, optimizers), checkpoint_id=str(directory))
+    with warnings.catch_warnings():
+        # A single process saves without a process group on purpose (its notice says so).
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
+        dcp.save(_state(modules, optimizers), checkpoint_id=str(directory))
 
 
 def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
@@ -135,6 +138,41 @@ def _adopt_own_parameter_names(optimizer_state: dict[str, Any], own_groups: list
     optimizer_state["param_groups"] = [
         {**group, "params": names} for group, names in zip(loaded, own_groups)
     ]
+
+
+def load_full_model_state(module: nn.Module, state: dict[str, Any]) -> None:
+    """Load a one-file (unsharded) model state into a sharded ``module`` on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+    """Load ``optimizer.state_dict()`` of a replicated run into ``module``'s shards.
+
+    The one-file format numbers parameters 0..n-1 in param-group order; the rebuilt
+    optimizer keeps the groups and their order, so index i is the i-th parameter here.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    names = {id(p): name for name, p in module.named_parameters()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    loaded = [index for group in state["param_groups"] for index in group["params"]]
+    if len(loaded) != len(ordered):
+        raise ValueError(f"the checkpoint's optimizer holds {len(loaded)} parameters, "
+                         f"this one {len(ordered)}")
+    by_index = dict(zip(loaded, ordered))
+    converted = {
+        "state": {by_index[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [by_index[i] for i in group["params"]]}
+                         for group in state["param_groups"]],
+    }
+    set_optimizer_state_dict(module, optimizer, converted,
+                             options=StateDictOptions(full_state_dict=True))
 
 
 # -- evaluation in lockstep ----------------------------------------------------------
