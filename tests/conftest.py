@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from paratrain.testing.spawn import free_port
@@ -14,6 +15,16 @@ from paratrain.testing.spawn import free_port
 REPO = Path(__file__).resolve().parents[1]
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests run whenever CUDA is visible and are skipped with one reason otherwise."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none is visible)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

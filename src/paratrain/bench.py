@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -32,6 +33,14 @@ __all__ = ["BenchConfig", "BenchReport", "BenchRow", "bench", "main"]
 
 #: The reference of scaling efficiency; it is one process by definition.
 REFERENCE = "single"
+#: What GPU users compare first (``name+precision`` rows run that strategy in that precision).
+GPU_DEFAULT = ("single", "dp", "ddp", "ddp+bf16-mixed", "fsdp")
+
+
+def split_entry(entry: str) -> tuple[str, str | None]:
+    """``"ddp+bf16-mixed"`` -> ``("ddp", "bf16-mixed")``; ``"ddp"`` -> ``("ddp", None)``."""
+    name, _, precision = entry.partition("+")
+    return name, precision or None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +52,13 @@ class BenchConfig:
     input_shape: tuple[int, ...] = (1, 28, 28)
     """Shape of one sample; inputs are random tensors of this shape."""
     strategies: tuple[str, ...] | None = None
-    """Strategy names; None means every registered strategy."""
+    """Strategy names, each optionally with a precision (``ddp+bf16-mixed``); None means
+    every registered strategy on CPU, and single / dp / ddp / ddp+bf16-mixed / fsdp when
+    the run uses a GPU."""
+    precision: str = "32"
+    """Precision of every entry that does not name its own."""
+    accelerator: str = "auto"
+    """``auto`` (CUDA when visible), ``cpu`` or ``cuda``: the device the jobs train on."""
     world_sizes: tuple[int, ...] = (1, 2)
     """Numbers of training processes (parameter servers come on top)."""
     batch_size: int = 32
@@ -83,22 +98,41 @@ class BenchConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         self.job_spec(REFERENCE)  # the per-job fields are validated by JobSpec
 
-    def job_spec(self, strategy: str) -> JobSpec:
+    def job_spec(self, entry: str) -> JobSpec:
+        strategy, precision = split_entry(entry)
         return JobSpec(strategy=strategy, model=self.model, input_shape=self.input_shape,
                        batch_size=self.batch_size, warmup_steps=self.warmup_steps,
                        steps=self.steps, repeats=self.repeats, optimizer=self.optimizer,
-                       link_probe_bytes=self.link_probe_bytes)
+                       link_probe_bytes=self.link_probe_bytes,
+                       precision=precision or self.precision, accelerator=self.accelerator)
+
+    @property
+    def uses_cuda(self) -> bool:
+        """Whether the jobs will train on a GPU (``auto`` with CUDA visible, or ``cuda``)."""
+        if self.accelerator == "cpu":
+            return False
+        import torch
+
+        return self.accelerator == "cuda" or torch.cuda.is_available()
 
 
-def resolve_strategies(requested: Sequence[str] | None) -> list[str]:
-    """Registered names, in registry order; unknown names are a ValueError listing the choices."""
+def resolve_strategies(requested: Sequence[str] | None, *, cuda: bool = False) -> list[str]:
+    """Entries to run (``name`` or ``name+precision``); unknown names or precisions are a
+    ValueError listing the choices. ``None``: every registered strategy, or on a GPU the
+    comparison GPU users start from (:data:`GPU_DEFAULT`)."""
+    from paratrain.config import PRECISIONS
     from paratrain.strategies import available_strategies
 
     known = available_strategies()
-    names = list(known if requested is None else dict.fromkeys(requested))
-    unknown = [n for n in names if n not in known]
+    default = list(GPU_DEFAULT) if cuda else known
+    names = list(default if requested is None else dict.fromkeys(requested))
+    unknown = [n for n in names if split_entry(n)[0] not in known]
     if unknown:
         raise ValueError(f"strategies: unknown {', '.join(unknown)}; registered: {', '.join(known)}")
+    bad = [n for n in names if split_entry(n)[1] not in (None, *PRECISIONS)]
+    if bad:
+        raise ValueError(f"strategies: unknown precision in {', '.join(bad)}; "
+                         f"precisions: {', '.join(PRECISIONS)}")
     # The reference first, so scaling efficiency has its baseline early in the table.
     return sorted(names, key=lambda n: n != REFERENCE)
 
@@ -146,7 +180,7 @@ def preflight(strategy: str, world_size: int) -> str:
 
 def run_one(config: BenchConfig, strategy: str, world_size: int, workdir: Path) -> BenchRow:
     """Launch one configuration and aggregate its ranks' results."""
-    reason = preflight(strategy, world_size)
+    reason = preflight(split_entry(strategy)[0], world_size)
     if reason:
         return BenchRow(strategy=strategy, world_size=world_size, status="skipped", reason=reason)
     job_dir = workdir / f"{strategy}-{world_size}"
@@ -154,11 +188,11 @@ def run_one(config: BenchConfig, strategy: str, world_size: int, workdir: Path) 
     spec_path = job_dir / "spec.json"
     config.job_spec(strategy).write(spec_path)
     out_dir = job_dir / "out"
-    argv = bench_jobs.local_launch_argv(spec_path, out_dir, strategy=strategy,
+    argv = bench_jobs.local_launch_argv(spec_path, out_dir, strategy=split_entry(strategy)[0],
                                         world_size=world_size)
     outcome = bench_jobs.run_local(argv, out_dir, env=bench_jobs.job_env(threads=config.threads),
                                    timeout=config.timeout_s)
-    servers = bench_jobs.server_args(strategy)[0]
+    servers = bench_jobs.server_args(split_entry(strategy)[0])[0]
     if not outcome.ok:
         return BenchRow(strategy=strategy, world_size=world_size, status="failed",
                         reason=outcome.reason, num_processes=world_size + servers)
@@ -178,7 +212,7 @@ def bench(config: BenchConfig | None = None, *, log: Callable[[str], Any] | None
     """
     config = replace(config, **fields) if config is not None else BenchConfig(**fields)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    strategies = resolve_strategies(config.strategies)
+    strategies = resolve_strategies(config.strategies, cuda=config.uses_cuda)
     check_model(config)
     settings = {**asdict(config), "strategies": strategies,
                 "title": f"paratrain bench: {config.model}, batch {config.batch_size}/process"}
@@ -222,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=10, help="steps per timed window (default 10)")
     add("--repeats", type=int, default=3, help="timed windows (default 3)")
     add("--optimizer", choices=OPTIMIZERS, default="adam")
+    add("--precision", default="32", help="precision of entries without +PRECISION (default 32)")
+    add("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
+        help="device the jobs train on (default auto: CUDA when visible)")
     add("--epoch-samples", type=int, default=60_000, help="for seconds/epoch (default 60000)")
     add("--threads", type=int, default=None, help="OMP threads per process")
     add("--timeout", type=float, default=600.0, help="seconds per configuration (default 600)")
@@ -237,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``paratrain bench``; 2 with one line on bad input."""
     args = build_parser().parse_args(argv)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # MODULE:CALLABLE in the current folder, as the jobs see it
     try:
         strategies = None if args.strategies is None else tuple(
             s.strip() for s in args.strategies.split(",") if s.strip())
@@ -245,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             strategies=strategies, world_sizes=_ints(args.world_sizes, "--world-sizes"),
             batch_size=args.batch_size, warmup_steps=args.warmup, steps=args.steps,
             repeats=args.repeats, optimizer=args.optimizer, epoch_samples=args.epoch_samples,
+            precision=args.precision, accelerator=args.accelerator,
             threads=args.threads, timeout_s=args.timeout, link_probe_bytes=args.link_probe)
         for flag, path in (("--json", args.json), ("--csv", args.csv), ("--png", args.png)):
             if path and not Path(path).resolve().parent.is_dir():

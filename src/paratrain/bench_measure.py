@@ -43,6 +43,11 @@ class MemoryWatch:
         self.device = device
         self.resettable = False
         if device.type == "cuda":
+            # The allocator's statistics exist only once the device has a context: without
+            # one, reset_peak_memory_stats raises "Invalid device argument".
+            torch.cuda.set_device(device)
+            torch.empty(1, device=device)
+            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             self.baseline = int(torch.cuda.memory_allocated(device))
             return
@@ -60,6 +65,18 @@ class MemoryWatch:
 
     def peak_above_baseline(self) -> int:
         return max(0, self.peak_bytes() - self.baseline)
+
+
+def gpu_utilization(device: torch.device) -> float | None:
+    """Percent of the last sample period the GPU was busy (NVML), or None without NVML.
+
+    ``torch.cuda.utilization`` reads NVML through ``pynvml`` (pip package
+    ``nvidia-ml-py``, the ``paratrain[gpu]`` extra); without it the column reads "n/a".
+    """
+    try:
+        return float(torch.cuda.utilization(device))
+    except Exception:  # noqa: BLE001 - ModuleNotFoundError for pynvml, or an NVML error
+        return None
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -130,8 +147,9 @@ class Utilisation:
     def sample_gpu(self) -> None:
         """Call inside a window: NVML's utilisation is an average over the last second."""
         if self.device.type == "cuda":
-            with suppress(Exception):  # needs pynvml; absent is "unknown", not an error
-                self._gpu.append(float(torch.cuda.utilization(self.device)))
+            value = gpu_utilization(self.device)
+            if value is not None:
+                self._gpu.append(value)
 
     def result(self) -> dict[str, float | None]:
         return {

@@ -38,7 +38,8 @@ class BenchRow:
     optimizer_bytes: int | None = None
     cpu_percent: float | None = None  # mean over ranks, 100 = one core busy
     system_cpu_percent: float | None = None
-    gpu_percent: float | None = None
+    gpu_percent: float | None = None  # NVML, mean over ranks; None without nvidia-ml-py
+    device: str = ""  # what rank 0 trained on, e.g. "cpu" or "cuda:0"
     scaling_efficiency: float | None = None
     link_bus_bandwidth: float | None = None  # bytes/s, from the optional link probe
     link_latency_s: float | None = None
@@ -46,6 +47,13 @@ class BenchRow:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+
+def _gpu_cell(row: BenchRow) -> str:
+    """GPU busy share: "-" on CPU, "n/a" on a GPU without NVML, else a percentage."""
+    if not row.device.startswith("cuda"):
+        return "-"
+    return "n/a" if row.gpu_percent is None else f"{row.gpu_percent:.0f}"
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -85,6 +93,7 @@ def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any
         cpu_percent=_mean([r.get("cpu_percent") for r in results]),
         system_cpu_percent=_mean([r.get("system_cpu_percent") for r in results]),
         gpu_percent=_mean([r.get("gpu_percent") for r in results]),
+        device=str(first.get("device", "")),
         link_bus_bandwidth=bus, link_latency_s=latency,
     )
 
@@ -138,12 +147,12 @@ class BenchReport:
     def format_table(self) -> str:
         """Aligned text: one line per strategy x world size; skipped ones with their reason."""
         head = ("strategy", "N", "samples/s", "spread", "s/epoch", "step", "exposed comm",
-                "peak mem/rank", "params+grads+opt", "CPU %", "efficiency", "note")
+                "peak mem/rank", "params+grads+opt", "CPU %", "GPU %", "efficiency", "note")
         rows = [head]
         for r in self.rows:
             if not r.ok:
-                rows.append((r.strategy, str(r.world_size), "-", "-", "-", "-", "-", "-", "-",
-                             "-", "-", f"{r.status}: {r.reason}"))
+                rows.append((r.strategy, str(r.world_size), *["-"] * 10,
+                             f"{r.status}: {r.reason}"))
                 continue
             state = (r.param_bytes or 0) + (r.grad_bytes or 0) + (r.optimizer_bytes or 0)
             rows.append((
@@ -151,12 +160,16 @@ class BenchReport:
                 f"{r.samples_per_s_min:,.0f}-{r.samples_per_s_max:,.0f}",
                 f"{r.seconds_per_epoch:,.1f}", format_seconds(r.step_time_s),
                 _pct(r.exposed_comm_share), format_bytes(r.peak_memory_bytes),
-                format_bytes(state), f"{r.cpu_percent:.0f}", _pct(r.scaling_efficiency), r.note))
+                format_bytes(state), f"{r.cpu_percent:.0f}", _gpu_cell(r),
+                _pct(r.scaling_efficiency), r.note))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        left = {0, 11}
+        left = {0, len(head) - 1}
         lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if any(_gpu_cell(r) == "n/a" for r in self.rows if r.ok):
+            lines.append("GPU %: n/a means NVML is missing: pip install 'paratrain[gpu]' "
+                         "(nvidia-ml-py)")
         return "\n".join(lines)
 
     def write_json(self, path: str | Path) -> None:

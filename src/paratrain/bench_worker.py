@@ -60,6 +60,10 @@ class JobSpec:
     """If > 0, also time all-reduces of this many bytes (and of 4 bytes) over the data-parallel group."""
     seed: int = 0
     """Seed of the model and the synthetic data."""
+    precision: str = "32"
+    """``Run(precision=...)``: ``32``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true``."""
+    accelerator: str = "auto"
+    """``Run(accelerator=...)``: ``auto`` (CUDA when visible), ``cpu`` or ``cuda``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", tuple(self.input_shape))
@@ -77,6 +81,12 @@ class JobSpec:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if ":" not in self.model:
             raise ValueError(f"model must be 'module:callable', got {self.model!r}")
+        from paratrain.config import PRECISIONS
+
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.accelerator not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"accelerator must be auto, cpu or cuda, got {self.accelerator!r}")
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -116,18 +126,28 @@ def make_loss(output: Any, batch_size: int, generator: Any) -> Callable[[Any], A
     return lambda out: (out[0] if isinstance(out, (tuple, list)) else out).float().pow(2).mean()
 
 
-def _timed_optimizer_step(model: Any, spec: JobSpec, repeats: int = 5) -> float:
-    """Median seconds of one local optimizer step on a copy of the parameters."""
+def _synchronize(device: Any) -> None:
+    """Wait for queued GPU work, so a wall-clock reading covers it (no-op on CPU)."""
     import torch
 
-    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_optimizer_step(model: Any, spec: JobSpec, device: Any, repeats: int = 5) -> float:
+    """Median seconds of one local optimizer step on a copy of the parameters on ``device``."""
+    import torch
+
+    params = [p.detach().to(device, copy=True).requires_grad_(True) for p in model.parameters()]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = _optimizer(params, spec)
     times = []
     for _ in range(repeats + 1):
+        _synchronize(device)
         t0 = time.perf_counter()
         opt.step()
+        _synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -176,8 +196,10 @@ def _link_probe(run: Any, num_bytes: int, repeats: int = 7) -> dict[str, float]:
         dist.all_reduce(tensor, group=group)  # warm-up: connections are set up lazily
         times = []
         for _ in range(repeats):
+            _synchronize(run.device)
             t0 = time.perf_counter()
             dist.all_reduce(tensor, group=group)
+            _synchronize(run.device)  # NCCL returns before the transfer is done
             times.append(time.perf_counter() - t0)
         out[key] = min(times)
     return out
@@ -206,13 +228,13 @@ def _phases(run: Any, model: Any, optimizer: Any, batches: list, loss_fn: Callab
         run.strategy.all_reduce(torch.zeros(1, device=run.device))  # start together
         if sync:
             util.start()
+        _synchronize(run.device)
         t0 = time.perf_counter()
         for i in range(spec.steps):
             one(i, sync)
             if sync and i == spec.steps // 2:
                 util.sample_gpu()
-        if run.device.type == "cuda":
-            torch.cuda.synchronize(run.device)
+        _synchronize(run.device)
         elapsed = (time.perf_counter() - t0) / spec.steps
         if sync:
             util.accumulate()
@@ -236,7 +258,8 @@ def run_job(spec: JobSpec, out_dir: Path) -> dict[str, Any]:
     from paratrain.bench_measure import MemoryWatch, Utilisation, state_bytes
 
     factory = load_factory(spec.model)
-    with paratrain.Run(strategy=spec.strategy, progress=False, seed=spec.seed) as run:
+    with paratrain.Run(strategy=spec.strategy, progress=False, seed=spec.seed,
+                       precision=spec.precision, accelerator=spec.accelerator) as run:
         _warm_imports(spec)
         memory = MemoryWatch(run.device)
         model = factory()
@@ -245,7 +268,7 @@ def run_job(spec: JobSpec, out_dir: Path) -> dict[str, Any]:
                    for _ in range(2)]
         with torch.no_grad():
             loss_fn = make_loss(model(batches[0]), spec.batch_size, generator)
-        optimizer_step_s = _timed_optimizer_step(model, spec)
+        optimizer_step_s = _timed_optimizer_step(model, spec, run.device)
         optimizer = _optimizer(model.parameters(), spec)
         model, optimizer = run.prepare(model, optimizer)  # a server rank leaves here
         batches = [b.to(run.device) for b in batches]
@@ -264,7 +287,7 @@ def run_job(spec: JobSpec, out_dir: Path) -> dict[str, Any]:
             "rank": run.rank, "world_size": run.world_size,
             "data_parallel_size": run.strategy.data_parallel_size,
             "strategy": run.strategy.name, "notice": getattr(run.strategy, "notice", lambda: None)(),
-            "device": str(run.device), "batch_size": spec.batch_size, "steps": spec.steps,
+            "device": str(run.device), "precision": spec.precision, "batch_size": spec.batch_size, "steps": spec.steps,
             "repeats": spec.repeats,
             "samples_per_step": spec.batch_size * run.strategy.data_parallel_size,
             "compute_step_s": times[:spec.repeats].tolist(),
