@@ -195,3 +195,24 @@ def test_cli_default_demo_setup_passes():
     for label in ("1x8x1", "2x4x1", "2x2x2", "1x2x4"):
         assert label in done.stdout
     assert "all factorizations match the reference" in done.stdout
+
+
+def test_arguments_are_checked_before_the_data_is_looked_for(monkeypatch, capsys):
+    import paratrain.datasets
+
+    def no_data(*args, **kwargs):
+        raise FileNotFoundError("Fashion-MNIST not found")
+
+    monkeypatch.setattr(paratrain.datasets, "find_fashion_mnist", no_data)
+    assert verify_module.main(["--factorizations", "2x4x1,1x2x2"]) == 2
+    assert "must share one global batch" in capsys.readouterr().err
+
+
+def test_auto_accelerator_uses_cuda_only_when_every_probe_gets_its_own_gpus():
+    from paratrain.verify import parse_factorizations, resolve_accelerator
+
+    factorizations = parse_factorizations(["1x8x1", "2x4x1"])
+    assert resolve_accelerator("auto", factorizations, num_gpus=0) == "cpu"
+    assert resolve_accelerator("auto", factorizations, num_gpus=1) == "cpu"
+    assert resolve_accelerator("auto", factorizations, num_gpus=2) == "cuda"
+    assert resolve_accelerator("cpu", factorizations, num_gpus=8) == "cpu"

@@ -244,6 +244,21 @@ def _resolve(spec: str, option: str) -> Any:
                          "that holds the module or add it to PYTHONPATH") from None
 
 
+def resolve_accelerator(accelerator: str, factorizations: Sequence[Factorization], *,
+                        num_gpus: int | None = None) -> str:
+    """``auto`` is ``cuda`` when every probe's ranks get a GPU of their own, else ``cpu``.
+
+    A probe of N processes needs N GPUs (NCCL refuses two ranks on one device); the
+    comparison is only meaningful when every probe runs on the same kind of device.
+    """
+    if accelerator != "auto":
+        return accelerator
+    if num_gpus is None:
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    largest = max(f.world_size for f in factorizations)
+    return "cuda" if num_gpus >= largest else "cpu"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -252,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=3, help="optimizer steps per probe")
     add("--tolerance", type=float, default=None, help="max relative difference (default by precision)")
     add("--precision", default="32")
-    add("--accelerator", default="cpu", help="cpu, cuda or auto")
+    add("--accelerator", default="auto",
+        help="cpu, cuda or auto (default: CUDA when every probe's ranks get a GPU each)")
     add("--strategy", default="ddp", help="strategy for multi-process factorizations")
     add("--lr", type=float, default=0.05)
     add("--seed", type=int, default=0)
@@ -276,15 +292,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                              ("loader", "loader_fn"), ("step", "step_fn")):
             if getattr(args, option):
                 fields[name] = _resolve(getattr(args, option), f"--{option}")
+        # Every argument is checked before anything slow (data, processes) starts.
+        factorizations = parse_factorizations(args.factorizations.split(","))
         setup = ProbeSetup(num_steps=args.steps, lr=args.lr, seed=args.seed,
                            precision=args.precision, strategy=args.strategy,
-                           accelerator=args.accelerator,
+                           accelerator=resolve_accelerator(args.accelerator, factorizations),
                            timeout_s=args.timeout, **fields)
         if "data_fn" not in fields:
             from paratrain.datasets import find_fashion_mnist
 
             find_fashion_mnist()
-        factorizations = parse_factorizations(args.factorizations.split(","))
         report = verify(setup, factorizations=factorizations, tolerance=args.tolerance,
                         no_dropout=args.no_dropout)
     except (ValueError, FileNotFoundError) as exc:
