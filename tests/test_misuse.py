@@ -136,3 +136,14 @@ def test_mismatched_models_across_ranks_are_named(strategy):
     assert all(m.startswith(expected) and "build the same model on every rank" in m
                for m in messages), messages
     assert spawn(mismatch_worker, 2, strategy, True) == ["prepared", "prepared"]
+
+
+def test_launch_without_a_script_names_only_the_script(capsys):
+    from paratrain.launch import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "paratrain launch: error: the following arguments are required: script"
+    args = build_parser().parse_args(["train.py"])
+    assert args.script == "train.py" and args.script_args == []
