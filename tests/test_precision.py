@@ -34,7 +34,8 @@ def test_unknown_precision_is_named():
 
 def test_bf16_mixed_autocasts_forward_but_keeps_float32_weights_and_grads():
     with make_run(precision="bf16-mixed") as run:
-        model, optimizer = run.prepare(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1))
+        model = mlp()
+        model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         x, y = dataset().tensors
         out = model(x)
         assert out.dtype == torch.bfloat16

@@ -86,7 +86,8 @@ def test_checkpoint_for_another_model_is_refused(tmp_path):
 
 def test_save_mid_accumulation_is_refused(tmp_path):
     with make_run(accumulate=2) as run:
-        model, optimizer = run.prepare(nn.Linear(4, 3), torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1))
+        model = nn.Linear(4, 3)
+        model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         x, y = dataset().tensors
         run.backward(F.cross_entropy(model(x[:4]), y[:4]))
         assert run.step(optimizer) is False

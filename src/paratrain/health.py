@@ -1,10 +1,13 @@
 """Cheap cross-rank consistency checks, and naming the rank that went missing.
 
-Three things, all through torch.distributed:
+Four things, all through torch.distributed:
 
 * At start, every rank gathers a fingerprint of the :class:`RunConfig` (one
   hash per field) and its host address: a node started with other settings
   fails at once with a :class:`HealthError` naming the rank and the fields.
+* In ``run.prepare()``, the ranks compare a hash of their model's parameter
+  names, shapes and dtypes (not values): a rank that built another model fails
+  with a :class:`HealthError` naming the rank and the first differing parameter.
 * Every ``PARATRAIN_HEALTH_EVERY`` optimizer steps of this process (default
   50, ``0`` disables) the ranks gather ``(steps, global step, epoch, sample
   offset, collective sequence number)``. Ranks that drifted apart (e.g. nodes
@@ -94,6 +97,32 @@ def config_fingerprint(config: Any) -> tuple[list[str], torch.Tensor]:
     names += ["paratrain version", "torch version"]
     hashes += [field_hash(__version__), field_hash(torch.__version__)]
     return names, torch.tensor(hashes, dtype=torch.int64)
+
+
+def model_fingerprint(model: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, dtype)`` of every parameter of ``model``, in registration order.
+
+    Values are left out on purpose: ranks may legitimately start from different
+    weights (a strategy broadcasts or shards them), but never with other shapes.
+    """
+    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for name, p in model.named_parameters()]
+
+
+def describe_model_difference(rows: Sequence[Sequence[tuple[str, tuple[int, ...], str]]],
+                              bad: int, ref: int) -> str:
+    """Where rank ``bad``'s fingerprint first differs from rank ``ref``'s, in words."""
+    mine, theirs = list(rows[bad]), list(rows[ref])
+    for (name, shape, dtype), (ref_name, ref_shape, ref_dtype) in zip(mine, theirs):
+        if name != ref_name:
+            return f"at parameter {name!r}: rank {ref} has {ref_name!r} in its place"
+        if shape != ref_shape:
+            return f"at {name!r}: shape {shape} vs {ref_shape}"
+        if dtype != ref_dtype:
+            return f"at {name!r}: dtype {dtype} vs {ref_dtype}"
+    extra = mine[len(theirs)] if len(mine) > len(theirs) else theirs[len(mine)]
+    return (f"in its parameter count: {len(mine)} vs {len(theirs)} (first unmatched "
+            f"{extra[0]!r})")
 
 
 def first_divergent(rows: Sequence[Sequence[int]]) -> tuple[int, int] | None:
@@ -191,6 +220,29 @@ class HealthMonitor:
             f"than rank {ref} (host {self.host(ref)}): {', '.join(fields)} "
             f"{'differs' if len(fields) == 1 else 'differ'}; start every "
             "node with the same script arguments and paratrain/torch versions"
+        )
+
+    def check_model(self, model: Any) -> None:
+        """Compare :func:`model_fingerprint` across ranks; HealthError naming the first difference.
+
+        One all-gather of a 64-bit hash; the full fingerprints are gathered only
+        when the hashes differ. A mismatch caught here would otherwise surface as a
+        shape error deep inside DDP's first broadcast, or abort the process in FSDP.
+        """
+        if self.group is None:
+            return
+        fingerprint = model_fingerprint(model)
+        hashes = self._gather(torch.tensor([field_hash(fingerprint)], dtype=torch.int64))
+        found = first_divergent(hashes.tolist())
+        if found is None:
+            return
+        bad, ref = found
+        rows: list[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(rows, fingerprint, group=self.group)
+        raise HealthError(
+            f"rank {bad}'s model differs from rank {ref}'s "
+            f"{describe_model_difference(rows, bad, ref)}; build the same model on every rank "
+            f"(rank {bad} runs on host {self.host(bad)})"
         )
 
     def after_step(self, *, global_step: int, epoch: int, offset: int) -> None:

@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("-m", "--module", action="store_true", help="run SCRIPT as a Python module")
     add("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     add("script", help="training script (or module with -m)")
-    add("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # argparse marks a REMAINDER positional required, so a bare `paratrain launch`
+    # would name script_args as missing; only the script is.
+    add("script_args", nargs=argparse.REMAINDER, help="arguments for the script").required = False
     return parser
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain import checkpoint, faults, health, signals
+from paratrain import checkpoint, faults, health, misuse, signals
 from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.config import RunConfig
 from paratrain.data import DistributedLoader, ShardedSampler
@@ -74,6 +74,8 @@ class Run:
                 self.config.strategy, self.topology, self.config.strategy_options
             )
             self.strategy.timeout_s = self.config.timeout_s
+            misuse.check_ps_servers(self.strategy.name,
+                                    os.environ if environ is None else environ)
         except BaseException:
             self.close()
             raise
@@ -108,6 +110,7 @@ class Run:
         self.state = RunState(self)
         self.epoch_stats: list[dict[str, float]] = []
         self._micro_step = 0
+        self._backward_in_group = False
         self._counts = GlobalCount()
         self.last_grad_norm: float | None = None
         """Global gradient norm before clipping at the last step (with ``max_grad_norm``)."""
@@ -146,6 +149,13 @@ class Run:
         After this, every rank draws different random numbers (dropout, augmentation):
         the global RNGs are reseeded with ``seed + 1 + rank``.
         """
+        if optimizer is not None:
+            misuse.check_optimizer_matches(model, optimizer)
+        if self.strategy.data_parallel_size == self.world_size:
+            # Every rank holds (a shard of) the same model: compare shapes before any
+            # wrapper communicates, since a wrapper fails obscurely on a mismatch.
+            # Pipeline stages and parameter servers hold different parts.
+            self._health.check_model(model)
         if self.config.checkpoint_activations is not None:
             apply_activation_checkpointing(model, self.config.checkpoint_activations)
         model = self.precision.convert_module(model)
@@ -256,6 +266,7 @@ class Run:
         (see :mod:`paratrain.losses`).
         """
         self._counts.add(count)
+        self._backward_in_group = True
         # The update must be the mean over all micro-batches of the group, so each
         # micro-batch's loss counts 1/accumulate.
         if self.config.accumulate > 1 and count is None:
@@ -277,6 +288,8 @@ class Run:
         self._micro_step += 1
         if not boundary:
             return False
+        misuse.check_step_has_gradients(backward_called=self._backward_in_group,
+                                        models=self.state.models, optimizer=optimizer)
         with self._guard_peers():
             self._optimizer_step(optimizer)
         return True
@@ -304,6 +317,7 @@ class Run:
             # stepped as a smaller batch, i.e. the mean over the micro-batches it has.
             correction = self.config.accumulate / group_size
         self._counts.reset()
+        self._backward_in_group = False
         if correction != 1.0:
             for model in self.state.models:
                 for p in model.parameters():
@@ -353,6 +367,7 @@ class Run:
             for optimizer in self.state.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             self._micro_step = 0
+        self._backward_in_group = False
         self._counts.reset()
 
     def _wrap_forward(self, model: nn.Module) -> None:
@@ -394,6 +409,7 @@ class Run:
             totals[2] += y.numel()
         module.train(was_training)
         loss_sum, correct, count = self.strategy.all_reduce(totals, "sum").tolist()
+        misuse.check_evaluated(count)
         return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1),
                 "count": int(count)}
 

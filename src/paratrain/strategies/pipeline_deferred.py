@@ -103,7 +103,9 @@ class Deferred(torch.Tensor):
         if func in _READ_OUT:
             raise RuntimeError(
                 "this value comes out of the pipeline and is known only after "
-                "run.backward(loss); read it afterwards (only the loss chain is computed)"
+                "run.backward(loss), and only for the loss; compute other uses of the "
+                "output (e.g. out.argmax() for accuracy) under torch.no_grad() or with "
+                "run.evaluate"
             )
         if len(nodes) != 1:
             raise RuntimeError(

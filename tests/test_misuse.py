@@ -1,0 +1,149 @@
+"""Training-loop mistakes that used to run on silently now fail with one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.health import HealthError, describe_model_difference, model_fingerprint
+from paratrain.testing.spawn import spawn
+
+
+def dataset(n=16):
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def make_run(**kwargs):
+    kwargs.setdefault("progress", False)
+    return paratrain.Run(accelerator="cpu", **kwargs)
+
+
+def prepared(run):
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    return (*run.prepare(model, optimizer, scheduler), scheduler)
+
+
+def test_step_without_backward_is_refused_and_nothing_advances():
+    with make_run() as run:
+        model, optimizer, scheduler = prepared(run)
+        x, y = dataset().tensors
+        model(x)  # a forward, but the loss is never backpropagated
+        with pytest.raises(RuntimeError, match=r"run.step\(optimizer\) found no gradients.*"
+                                               r"call run.backward\(loss\) before"):
+            run.step(optimizer)
+        assert run.global_step == 0 and scheduler.last_epoch == 0
+
+
+def test_step_without_backward_stays_legal_within_an_accumulation_group():
+    with make_run(accumulate=3) as run:
+        model, optimizer, _ = prepared(run)
+        before = model.weight.detach().clone()
+        x, y = dataset().tensors
+        assert run.step(optimizer) is False  # a skipped micro-batch: no backward
+        run.backward(F.cross_entropy(model(x), y))
+        assert run.step(optimizer) is False
+        assert run.step(optimizer) is True  # the group had one backward: it steps
+        assert run.global_step == 1 and not torch.equal(before, model.weight)
+        # The next group has no backward at all: refused at its boundary only.
+        assert run.step(optimizer) is False and run.step(optimizer) is False
+        with pytest.raises(RuntimeError, match="found no gradients"):
+            run.step(optimizer)
+
+
+def test_plain_loss_backward_is_still_accepted():
+    with make_run() as run:
+        model, optimizer, _ = prepared(run)
+        x, y = dataset().tensors
+        F.cross_entropy(model(x), y).backward()
+        assert run.step(optimizer) and run.global_step == 1
+
+
+def test_optimizer_of_another_model_is_refused():
+    with make_run() as run:
+        model = nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1)
+        with pytest.raises(ValueError, match="none of the optimizer's parameters belong to "
+                                             "this model.*build the optimizer from this model"):
+            run.prepare(model, optimizer)
+
+
+def test_evaluate_on_an_empty_loader_is_refused():
+    with make_run() as run:
+        model = run.prepare(nn.Linear(4, 3))
+        with pytest.raises(ValueError, match=r"run.evaluate\(\) got an empty loader"):
+            run.evaluate(model, run.eval_loader(dataset(0), batch_size=4))
+        with pytest.raises(ValueError, match="empty loader"):
+            run.evaluate(model, [])
+
+
+def test_ps_servers_with_another_strategy_is_refused():
+    env = {"PARATRAIN_PS_SERVERS": "1"}
+    with pytest.raises(ValueError, match=r"--ps-servers 1 \(PARATRAIN_PS_SERVERS\) applies to "
+                                         r"strategy 'ps' only, but the strategy is 'single'"):
+        make_run(strategy="single", environ=env)
+
+
+@pytest.mark.parametrize("theirs, expected", [
+    ([("fc.weight", (10, 32), "float32")], "at 'fc.weight': shape (10, 64) vs (10, 32)"),
+    ([("fc.weight", (10, 64), "bfloat16")], "at 'fc.weight': dtype float32 vs bfloat16"),
+    ([("head.weight", (10, 64), "float32")], "rank 0 has 'head.weight' in its place"),
+    ([], "parameter count: 1 vs 0 (first unmatched 'fc.weight')"),
+])
+def test_model_difference_names_the_first_parameter(theirs, expected):
+    rows = [theirs, [("fc.weight", (10, 64), "float32")]]
+    assert expected in describe_model_difference(rows, 1, 0)
+
+
+def test_fingerprint_ignores_values():
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    assert not torch.equal(a.weight, b.weight)
+    assert model_fingerprint(a) == model_fingerprint(b) == [
+        ("weight", (3, 4), "float32"), ("bias", (3,), "float32")]
+
+
+class Net(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.body = nn.Linear(4, hidden)
+        self.fc = nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.body(x)))
+
+
+def mismatch_worker(rank, world_size, strategy, same):
+    with paratrain.Run(strategy=strategy, accelerator="cpu", progress=False) as run:
+        model = Net(64 if rank == 0 or same else 32)
+        try:
+            model = run.prepare(model)
+        except HealthError as exc:
+            return str(exc)
+        return "prepared"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_mismatched_models_across_ranks_are_named(strategy):
+    expected = "rank 1's model differs from rank 0's at 'body.weight': shape (32, 4) vs (64, 4)"
+    messages = spawn(mismatch_worker, 2, strategy, False)
+    assert all(m.startswith(expected) and "build the same model on every rank" in m
+               for m in messages), messages
+    assert spawn(mismatch_worker, 2, strategy, True) == ["prepared", "prepared"]
+
+
+def test_launch_without_a_script_names_only_the_script(capsys):
+    from paratrain.launch import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "paratrain launch: error: the following arguments are required: script"
+    args = build_parser().parse_args(["train.py"])
+    assert args.script == "train.py" and args.script_args == []
