@@ -110,7 +110,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         ctx.Process(target=_entry, args=(fn, rank, world_size, base_env, results, args))
         for rank in range(world_size)
     ]
-    with _started_with({name: base_env[name] for name in visibility}):
+    # Visibility is fixed at start (see _started_with), also a caller's CUDA_VISIBLE_DEVICES.
+    at_start = (*visibility, "CUDA_VISIBLE_DEVICES")
+    with _started_with({name: base_env[name] for name in at_start if name in base_env}):
         for proc in procs:
             proc.start()
     collected: dict[int, Any] = {}
