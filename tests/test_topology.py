@@ -190,3 +190,23 @@ def test_shared_gpus_start_gloo_with_a_notice_on_rank_zero(monkeypatch, capsys, 
     assert (err == "paratrain: GPUs are shared: 2 processes on 1 GPU(s) over gloo; this is for "
             "testing multi-process code, not for speed\n") == (rank == 0)
     assert rank == 0 or err == ""
+
+
+def visibility_worker(rank, world_size):
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("PARATRAIN_ACCELERATOR")
+
+
+@pytest.mark.slow
+def test_spawned_cpu_ranks_do_not_see_gpus(monkeypatch):
+    import os
+
+    from paratrain.testing.spawn import spawn
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert spawn(visibility_worker, 1) == [("", "cpu")]
+    assert spawn(visibility_worker, 1, accelerator="cuda") == [("0", "cuda")]
+    # The parent's environment is as it was.
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+    assert os.environ["PARATRAIN_ACCELERATOR"] == "cpu"
