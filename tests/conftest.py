@@ -1,4 +1,10 @@
-"""Test hygiene: every test starts with a clean environment and no process group."""
+"""Test hygiene: every test starts with a clean environment and no process group.
+
+Tests compute on the CPU also where a GPU is visible, so the suite behaves the same
+on a laptop and on a GPU box: every test except those marked ``gpu`` runs with
+``PARATRAIN_ACCELERATOR=cpu``, which the processes it starts inherit. Tests marked
+``gpu`` run on CUDA and are skipped with one line where none is visible.
+"""
 
 from __future__ import annotations
 
@@ -18,23 +24,30 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests run whenever CUDA is visible and are skipped with one reason otherwise."""
+    """Skip ``gpu`` tests, with one line, where no CUDA device is visible."""
+    # Asked here, before any test changes the environment, and once: CUDA keeps
+    # its first answer for the life of the process anyway.
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (none is visible)")
+    skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
-def clean_environment(monkeypatch):
-    """Restore os.environ after each test and start without launcher variables."""
+def clean_environment(monkeypatch, request):
+    """Restore os.environ after each test and start without launcher variables.
+
+    Outside ``gpu`` tests every process computes on the CPU, GPU or not.
+    """
     saved = dict(os.environ)
     for name in _LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
     for name in [n for n in os.environ if n.startswith("PARATRAIN_")]:
         monkeypatch.delenv(name, raising=False)
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("PARATRAIN_ACCELERATOR", "cpu")
     yield
     os.environ.clear()
     os.environ.update(saved)

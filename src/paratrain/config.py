@@ -40,7 +40,10 @@ class RunConfig:
     """Collective timeout in seconds: a lost peer fails the job after this long."""
 
     accelerator: str = "auto"
-    """``auto`` (CUDA when visible), ``cpu`` or ``cuda``."""
+    """``auto``, ``cpu`` or ``cuda``. ``auto`` takes ``PARATRAIN_ACCELERATOR`` when it is
+    set (``cpu`` keeps every process on the CPU with GPUs visible), else CUDA when visible.
+    More processes per node than GPUs are refused unless ``PARATRAIN_SHARE_GPUS=1``
+    (``paratrain launch --share-gpus``) shares them round-robin, for testing only."""
 
     checkpoint_dir: str | None = None
     """Directory for resumable checkpoints; a run resumes from its newest one."""

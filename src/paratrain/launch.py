@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="single-node job with a local rendezvous on a free port")
     add("--ps-servers", type=int, default=None,
         help="number of parameter-server ranks for strategy='ps'")
+    add("--share-gpus", action="store_true",
+        help="allow more processes than GPUs per node (round-robin, gloo); for testing only")
     add("-m", "--module", action="store_true", help="run SCRIPT as a Python module")
     add("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     add("script", help="training script (or module with -m)")
@@ -234,6 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     if args.ps_servers is not None:
         os.environ["PARATRAIN_PS_SERVERS"] = str(args.ps_servers)
+    if args.share_gpus:
+        os.environ["PARATRAIN_SHARE_GPUS"] = "1"  # read by Topology.from_env in each worker
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run

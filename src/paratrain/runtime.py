@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,8 @@ def init_process_group(topology: Topology, *, timeout_s: float) -> bool:
     """Create the default process group for ``topology``; return True if this call created it.
 
     A single process needs no group. When the launcher already initialised one
-    (a user script that called ``init_process_group`` itself) it is reused.
+    (a user script that called ``init_process_group`` itself) it is reused. When
+    processes share GPUs (``topology.shares_device``), rank 0 prints one notice.
     """
     if not topology.is_distributed or dist.is_initialized():
         return False
@@ -29,8 +31,11 @@ def init_process_group(topology: Topology, *, timeout_s: float) -> bool:
     kwargs = {}
     if topology.device.type == "cuda":
         torch.cuda.set_device(topology.device)
+    if topology.backend == "nccl":
         # Binding the group to the device lets NCCL create its communicator eagerly.
         kwargs["device_id"] = topology.device
+    if topology.is_main and topology.notice:
+        print(f"paratrain: {topology.notice}", file=sys.stderr, flush=True)
     dist.init_process_group(
         backend=topology.backend,
         init_method="env://",

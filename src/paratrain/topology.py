@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 import torch
 
 ACCELERATORS = ("auto", "cpu", "cuda")
+ACCELERATOR_ENV = "PARATRAIN_ACCELERATOR"
+"""Replaces ``accelerator="auto"``: ``cpu`` pins every process to the CPU even with GPUs visible."""
+SHARE_GPUS_ENV = "PARATRAIN_SHARE_GPUS"
+"""``1`` lets more processes than GPUs run on one node (set by ``paratrain launch --share-gpus``)."""
+SHARED_GPU_NOTICE = ("GPUs are shared: {processes} processes on {gpus} GPU(s) over gloo; "
+                     "this is for testing multi-process code, not for speed")
 
 
 def _int_env(environ: Mapping[str, str], name: str) -> int | None:
@@ -39,9 +45,11 @@ class Topology:
         node_rank: index of this node, 0 .. num_nodes - 1.
         num_nodes: number of nodes (hosts) in the job.
         device: the device this process computes on.
-        backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA.
+        backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA (``"gloo"`` when GPUs are shared).
         source: which environment the values came from (``torchrun``, ``slurm``,
             ``openmpi`` or ``none`` when unlaunched).
+        shares_device: True when this node runs more processes than it has GPUs and they
+            share them round-robin (``PARATRAIN_SHARE_GPUS=1``): useful for testing only.
     """
 
     rank: int = 0
@@ -53,6 +61,7 @@ class Topology:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str = "gloo"
     source: str = "none"
+    shares_device: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -77,6 +86,9 @@ class Topology:
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if self.backend == "nccl" and self.device.type != "cuda":
             raise ValueError("backend 'nccl' needs a CUDA device; use 'gloo' on CPU")
+        if self.shares_device and (self.device.type != "cuda" or self.backend != "gloo"):
+            # NCCL refuses two ranks on one device; gloo handles CUDA tensors by staging them.
+            raise ValueError("shares_device needs a CUDA device and backend 'gloo'")
 
     @property
     def is_distributed(self) -> bool:
@@ -88,15 +100,30 @@ class Topology:
         """True on global rank 0, the rank that prints and writes replicated checkpoints."""
         return self.rank == 0
 
+    @property
+    def notice(self) -> str | None:
+        """A line for rank 0 to print about an unusual placement, or None."""
+        if not self.shares_device:
+            return None
+        return SHARED_GPU_NOTICE.format(processes=self.local_world_size,
+                                        gpus=torch.cuda.device_count())
+
     @classmethod
     def from_env(
-        cls, environ: Mapping[str, str] | None = None, *, accelerator: str = "auto"
+        cls, environ: Mapping[str, str] | None = None, *, accelerator: str = "auto",
+        share_gpus: bool | None = None,
     ) -> Topology:
         """Discover the topology from the launcher's environment variables.
 
         Reads torchrun's ``RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/GROUP_RANK/
         GROUP_WORLD_SIZE`` first, then SLURM's ``SLURM_PROCID/...`` and Open MPI's
         ``OMPI_COMM_WORLD_*``. Without any of them this is a single process.
+
+        ``accelerator="auto"`` is replaced by ``PARATRAIN_ACCELERATOR`` when that is set
+        (``cpu`` or ``cuda``), so a test suite or launcher can pin every process to the
+        CPU without changing scripts. ``share_gpus=None`` reads ``PARATRAIN_SHARE_GPUS``:
+        when set, a node with more local processes than GPUs maps local rank ``r`` to
+        ``cuda:(r % device_count)`` and uses gloo; without it that is refused.
 
         Example:
             >>> Topology.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank
@@ -105,9 +132,26 @@ class Topology:
         environ = os.environ if environ is None else environ
         if accelerator not in ACCELERATORS:
             raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {accelerator!r}")
+        if accelerator == "auto":
+            accelerator = environ.get(ACCELERATOR_ENV, "") or "auto"
+            if accelerator not in ACCELERATORS:
+                raise ValueError(f"{ACCELERATOR_ENV}={accelerator!r} must be one of "
+                                 f"{ACCELERATORS}; unset it or fix the value")
+        if share_gpus is None:
+            share_gpus = _flag_env(environ, SHARE_GPUS_ENV)
         values = _discover(environ)
-        device, backend = _select_device(values["local_rank"], accelerator)
-        return cls(device=device, backend=backend, **values)
+        device, backend, shared = _select_device(
+            values["local_rank"], values["local_world_size"], accelerator, share_gpus)
+        return cls(device=device, backend=backend, shares_device=shared, **values)
+
+
+def _flag_env(environ: Mapping[str, str], name: str) -> bool:
+    value = environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"environment variable {name}={value!r} must be 1 or 0")
 
 
 def _discover(environ: Mapping[str, str]) -> dict:
@@ -161,17 +205,25 @@ def _discover(environ: Mapping[str, str]) -> dict:
                 num_nodes=1, source="none")
 
 
-def _select_device(local_rank: int, accelerator: str) -> tuple[torch.device, str]:
+def _select_device(local_rank: int, local_world_size: int, accelerator: str,
+                   share_gpus: bool) -> tuple[torch.device, str, bool]:
     use_cuda = accelerator == "cuda" or (accelerator == "auto" and torch.cuda.is_available())
     if not use_cuda:
-        return torch.device("cpu"), "gloo"
+        return torch.device("cpu"), "gloo", False
     if not torch.cuda.is_available():
         raise ValueError("accelerator='cuda' but no CUDA device is visible; use accelerator='cpu'")
     num_gpus = torch.cuda.device_count()
-    if local_rank >= num_gpus:
+    # Decided on the node's process count, not this rank's, so that every local
+    # rank refuses (or picks gloo) alike instead of some waiting for the others.
+    if local_world_size <= num_gpus:
+        # One GPU per process: LOCAL_RANK selects the device, so processes never share one.
+        return torch.device("cuda", local_rank), "nccl", False
+    if not share_gpus:
         raise ValueError(
-            f"LOCAL_RANK={local_rank} but only {num_gpus} CUDA device(s) are visible; "
-            f"launch at most {num_gpus} processes per node (--nproc-per-node)"
+            f"LOCAL_RANK={local_rank} of {local_world_size} processes on this node but only "
+            f"{num_gpus} CUDA device(s) are visible; launch at most {num_gpus} processes per "
+            f"node (--nproc-per-node), or share GPUs for testing with --share-gpus "
+            f"({SHARE_GPUS_ENV}=1)"
         )
-    # One GPU per process: LOCAL_RANK selects the device, so processes never share one.
-    return torch.device("cuda", local_rank), "nccl"
+    # NCCL refuses two ranks on one device; gloo moves CUDA tensors through host memory.
+    return torch.device("cuda", local_rank % num_gpus), "gloo", True
