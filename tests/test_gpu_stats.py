@@ -8,7 +8,6 @@ from __future__ import annotations
 import sys
 import types
 
-import pytest
 import torch
 
 from paratrain import bench_measure, bench_worker, gpu_stats
