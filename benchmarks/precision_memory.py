@@ -8,7 +8,8 @@ Memory columns on CPU: "activations" is the growth of the process's resident
 memory from before the forward pass to just before backward (what the autograd
 graph holds), median over steps; "peak" is the process's peak RSS (model,
 optimizer, activations, Python and torch). On CUDA both come from the caching
-allocator (allocated after forward minus before; max allocated).
+allocator (allocated after forward minus before; max allocated). The device is the one
+a run would use: CUDA when visible (``--accelerator auto``), else the CPU.
 
     python benchmarks/precision_memory.py                       # full size
     python benchmarks/precision_memory.py --layers 4 --seq 128 --batch 8 --steps 3
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch", type=int, default=16)
     add("--steps", type=int, default=5, help="measured steps (after one warm-up step)")
     add("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
-    add("--accelerator", default="cpu")
+    add("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
+        help="auto: CUDA when visible (default), cpu or cuda")
     add("--one", default=None, help=argparse.SUPPRESS)  # PRECISION,CKPT: run one config here
     return parser
 
@@ -85,7 +87,7 @@ def measure(args: argparse.Namespace, precision: str, checkpointing: bool) -> di
             del loss
         peak = (torch.cuda.max_memory_allocated(run.device) if cuda
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    return {"precision": precision, "checkpointing": checkpointing,
+    return {"precision": precision, "checkpointing": checkpointing, "device": str(run.device),
             "step_s": statistics.median(times), "activation_mb": statistics.median(activations) / 2**20,
             "peak_mb": peak / 2**20}
 
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             return done.returncode
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"transformer encoder: {args.layers} layers, d_model {args.d_model}, seq {args.seq}, "
-          f"batch {args.batch}, {args.steps} measured steps, {args.accelerator}")
+          f"batch {args.batch}, {args.steps} measured steps, {rows[0]['device']}")
     print("| precision | act. ckpt | step (s) | activations (MiB) | peak (MiB) |")
     print("|---|---|---:|---:|---:|")
     for r in rows:

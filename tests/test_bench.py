@@ -197,64 +197,40 @@ def test_bench_ddp_one_and_two_processes_writes_outputs(tmp_path):
     assert out["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_gpu_default_is_the_comparison_gpu_users_start_from():
-    from paratrain.bench import GPU_DEFAULT
-
-    assert resolve_strategies(None, cuda=True) == list(GPU_DEFAULT)
+def test_entries_name_their_precision_and_the_gpu_default_is_the_seeds_table():
+    assert resolve_strategies(None, cuda=True) == ["single", "dp", "ddp", "ddp+bf16-mixed",
+                                                   "fsdp"]
     assert resolve_strategies(["ddp+bf16-mixed", "single"]) == ["single", "ddp+bf16-mixed"]
-    with pytest.raises(ValueError, match="unknown precision in ddp\\+fp8"):
+    with pytest.raises(ValueError, match="precisions: unknown fp8"):
         resolve_strategies(["ddp+fp8"])
-    spec = BenchConfig(precision="16-mixed").job_spec("ddp+bf16-mixed")
-    assert (spec.strategy, spec.precision) == ("ddp", "bf16-mixed")
-    assert BenchConfig(precision="16-mixed").job_spec("ddp").precision == "16-mixed"
-    assert not BenchConfig(accelerator="cpu").uses_cuda
-    with pytest.raises(ValueError, match="accelerator"):
-        BenchConfig(accelerator="tpu")
+    spec = BenchConfig(accelerator="cpu").job_spec("ddp", "bf16-mixed", "cpu")
+    assert (spec.strategy, spec.precision, spec.accelerator) == ("ddp", "bf16-mixed", "cpu")
 
 
-def test_gpu_column_says_when_nvml_is_missing():
-    from paratrain.bench_report import BenchReport
-
-    cpu = row_from_results("ddp", 2, [rank_result(0, step_s=[0.1], compute_s=[0.1], peak=1,
-                                                  device="cpu")],
-                           epoch_samples=64, num_processes=2)
-    gpu = row_from_results("ddp", 1, [rank_result(0, step_s=[0.1], compute_s=[0.1], peak=1,
-                                                  device="cuda:0")],
-                           epoch_samples=64, num_processes=1)
-    assert "GPU %" in BenchReport(settings={}, rows=[cpu]).format_table()
-    assert "nvidia-ml-py" not in BenchReport(settings={}, rows=[cpu]).format_table()
-    table = BenchReport(settings={}, rows=[cpu, gpu]).format_table()
-    assert table.splitlines()[-1].startswith("GPU %: n/a means NVML is missing")
-    gpu.gpu_percent = 87.0
-    assert "nvidia-ml-py" not in BenchReport(settings={}, rows=[gpu]).format_table()
-
-
-def test_gpu_utilization_is_none_without_nvml(monkeypatch):
-    from paratrain.bench_measure import gpu_utilization
-
-    def no_pynvml(device=None):
-        raise ModuleNotFoundError("No module named 'pynvml'")
-
-    monkeypatch.setattr(torch.cuda, "utilization", no_pynvml)
-    assert gpu_utilization(torch.device("cuda", 0)) is None
-    monkeypatch.setattr(torch.cuda, "utilization", lambda device=None: 42)
-    assert gpu_utilization(torch.device("cuda", 0)) == 42.0
+# The console script's sys.path[0] is its own folder, not the working directory
+# (``python -m`` would put the working directory first and hide the problem).
+CONSOLE_SCRIPT = "import sys\nfrom paratrain.cli import main\nsys.exit(main())\n"
 
 
 @pytest.mark.slow
 def test_a_model_in_the_working_directory_is_found_and_precision_rows_run(tmp_path):
-    (tmp_path / "mymodels.py").write_text(
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir()
+    bin_dir.mkdir()
+    (bin_dir / "paratrain_script.py").write_text(CONSOLE_SCRIPT)
+    (work / "mymodels.py").write_text(
         "import torch.nn as nn\n\ndef mlp():\n"
         "    return nn.Sequential(nn.Flatten(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))\n")
     json_path = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "paratrain.cli", "bench", "mymodels:mlp", "--input-shape", "8",
-           "--strategies", "single,single+bf16-mixed", "--world-sizes", "1", "--warmup", "1",
-           "--steps", "2", "--repeats", "1", "--accelerator", "cpu", "--json", str(json_path)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    cmd = [sys.executable, str(bin_dir / "paratrain_script.py"), "bench", "mymodels:mlp",
+           "--input-shape", "8", "--strategies", "single,single+bf16-mixed", "--world-sizes", "1",
+           "--warmup", "1", "--steps", "2", "--repeats", "1", "--accelerator", "cpu",
+           "--json", str(json_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(json_path.read_text())["rows"]
-    assert [(r["strategy"], r["status"], r["device"]) for r in rows] == [
-        ("single", "ok", "cpu"), ("single+bf16-mixed", "ok", "cpu")]
+    assert [(r["label"], r["precision"], r["status"], r["device"]) for r in rows] == [
+        ("single", "32", "ok", "cpu"), ("single+bf16-mixed", "bf16-mixed", "ok", "cpu")]
 
 
 @pytest.mark.gpu

@@ -166,6 +166,57 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--factorizations", "2x4x1,1x2x2"], "must share one global batch"),
+    (["--tolerance", "-1"], "tolerance must be > 0"),
+    (["--accelerator", "tpu"], "accelerator must be"),
+])
+def test_cli_bad_argument_fails_before_touching_the_dataset(argv, message, capsys, monkeypatch):
+    import paratrain.datasets
+
+    touched = []
+
+    def no_data(*args, **kwargs):
+        touched.append(args)
+        raise DatasetNotFound("Fashion-MNIST not found")
+    monkeypatch.setattr(paratrain.datasets, "find_fashion_mnist", no_data)
+    monkeypatch.setattr(paratrain.datasets, "fashion_mnist", no_data)
+    assert verify_module.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and touched == []
+
+
+def test_accelerator_auto_picks_cuda_when_every_process_gets_a_gpu(monkeypatch):
+    from paratrain.verify_probe import resolve_accelerator
+
+    factorizations = parse_factorizations(["2x4x1", "1x2x4"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_accelerator("auto", factorizations) == "cuda"
+    assert resolve_accelerator("cpu", factorizations) == "cpu"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_accelerator("auto", factorizations[::2]) == "cuda"  # 1x8x1, 1x2x4
+    assert resolve_accelerator("auto", factorizations) == "cpu"
+    with pytest.raises(ValueError, match="2x4x1 needs 2 GPUs .* 1 visible; use --accelerator cpu"):
+        resolve_accelerator("cuda", factorizations)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_accelerator("auto", factorizations[::2]) == "cpu"
+
+
+def test_report_says_where_the_probes_ran():
+    report = verify(setup(), factorizations=["1x8x1", "1x4x2"])
+    assert report.accelerator == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert report.format().splitlines()[0].endswith(f"on {report.accelerator}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_accumulation_on_cuda_matches_the_reference():
+    report = verify(setup(data_fn=masked_data, step_fn=global_step_fn),
+                    factorizations=["1x8x1", "1x2x4"])
+    assert report.accelerator == "cuda" and report.ok, report.format()
+
+
 def run_cli(*argv):
     return subprocess.run([sys.executable, "-m", "paratrain.cli", "verify", *argv], cwd=TESTS,
                           capture_output=True, text=True, timeout=300)

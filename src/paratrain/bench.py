@@ -1,6 +1,8 @@
 """``paratrain bench``: measure every registered strategy at several world sizes.
 
-Each strategy x world size runs as its own job through the real launcher
+On a machine with CUDA the default rows are the seeds' comparison table: ``single``,
+``dp``, ``ddp``, ``ddp+bf16-mixed`` and ``fsdp`` (see :mod:`paratrain.bench_rows`); on CPU
+every registered strategy. Each row x world size runs as its own job through the real launcher
 (``paratrain launch ... -m paratrain.bench_worker``) on synthetic data of the model's
 input shape, with warm-up and repeated timing windows. Strategies are discovered from
 the registry when the bench runs; one that cannot run a configuration is listed as
@@ -9,7 +11,8 @@ skipped with the reason.
 Example::
 
     from paratrain.bench import bench
-    report = bench(model="my_module:build", input_shape=(3, 32, 32), world_sizes=(1, 2))
+    report = bench(model="my_module:build", input_shape=(3, 32, 32), world_sizes=(1, 2),
+                   strategies=("ddp", "ddp+bf16-mixed"))
     print(report.format_table())
     report.write_json("bench.json"); report.write_csv("bench.csv"); report.plot("bench.png")
 """
@@ -27,20 +30,19 @@ from typing import Any
 
 from paratrain import bench_jobs
 from paratrain.bench_report import BenchReport, BenchRow, add_scaling_efficiency, row_from_results
+from paratrain.bench_rows import (
+    ACCELERATORS,
+    REFERENCE,
+    RowSpec,
+    default_world_sizes,
+    gpu_shortfall,
+    parse_precisions,
+    resolve_accelerator,
+    resolve_rows,
+)
 from paratrain.bench_worker import DEMO_MODEL, OPTIMIZERS, JobSpec, load_factory
 
 __all__ = ["BenchConfig", "BenchReport", "BenchRow", "bench", "main"]
-
-#: The reference of scaling efficiency; it is one process by definition.
-REFERENCE = "single"
-#: What GPU users compare first (``name+precision`` rows run that strategy in that precision).
-GPU_DEFAULT = ("single", "dp", "ddp", "ddp+bf16-mixed", "fsdp")
-
-
-def split_entry(entry: str) -> tuple[str, str | None]:
-    """``"ddp+bf16-mixed"`` -> ``("ddp", "bf16-mixed")``; ``"ddp"`` -> ``("ddp", None)``."""
-    name, _, precision = entry.partition("+")
-    return name, precision or None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,15 +54,15 @@ class BenchConfig:
     input_shape: tuple[int, ...] = (1, 28, 28)
     """Shape of one sample; inputs are random tensors of this shape."""
     strategies: tuple[str, ...] | None = None
-    """Strategy names, each optionally with a precision (``ddp+bf16-mixed``); None means
-    every registered strategy on CPU, and single / dp / ddp / ddp+bf16-mixed / fsdp when
-    the run uses a GPU."""
-    precision: str = "32"
-    """Precision of every entry that does not name its own."""
+    """Rows: ``STRATEGY`` or ``STRATEGY+PRECISION`` (e.g. ``ddp+bf16-mixed``); None means the
+    seeds' table (``single, dp, ddp, ddp+bf16-mixed, fsdp``) on CUDA, else every registered one."""
+    precisions: tuple[str, ...] = ("32",)
+    """Precisions each ``STRATEGY`` without ``+PRECISION`` is measured at."""
     accelerator: str = "auto"
-    """``auto`` (CUDA when visible), ``cpu`` or ``cuda``: the device the jobs train on."""
-    world_sizes: tuple[int, ...] = (1, 2)
-    """Numbers of training processes (parameter servers come on top)."""
+    """``auto`` (CUDA when visible, as ``Run`` picks), ``cpu`` or ``cuda``."""
+    world_sizes: tuple[int, ...] | None = None
+    """Numbers of training processes (parameter servers come on top); None: 1 and 2 on CPU,
+    1 and the number of visible GPUs on CUDA."""
     batch_size: int = 32
     """Samples per training process per step."""
     warmup_steps: int = 3
@@ -82,6 +84,12 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", tuple(self.input_shape))
+        object.__setattr__(self, "precisions", parse_precisions(self.precisions))
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}")
+        if self.world_sizes is None:
+            object.__setattr__(self, "world_sizes",
+                               default_world_sizes(resolve_accelerator(self.accelerator)))
         object.__setattr__(self, "world_sizes", tuple(self.world_sizes))
         if self.strategies is not None:
             object.__setattr__(self, "strategies", tuple(self.strategies))
@@ -98,43 +106,18 @@ class BenchConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         self.job_spec(REFERENCE)  # the per-job fields are validated by JobSpec
 
-    def job_spec(self, entry: str) -> JobSpec:
-        strategy, precision = split_entry(entry)
+    def job_spec(self, strategy: str, precision: str = "32", accelerator: str = "auto") -> JobSpec:
         return JobSpec(strategy=strategy, model=self.model, input_shape=self.input_shape,
                        batch_size=self.batch_size, warmup_steps=self.warmup_steps,
                        steps=self.steps, repeats=self.repeats, optimizer=self.optimizer,
-                       link_probe_bytes=self.link_probe_bytes,
-                       precision=precision or self.precision, accelerator=self.accelerator)
-
-    @property
-    def uses_cuda(self) -> bool:
-        """Whether the jobs will train on a GPU (``auto`` with CUDA visible, or ``cuda``)."""
-        if self.accelerator == "cpu":
-            return False
-        import torch
-
-        return self.accelerator == "cuda" or torch.cuda.is_available()
+                       link_probe_bytes=self.link_probe_bytes, precision=precision,
+                       accelerator=accelerator)
 
 
 def resolve_strategies(requested: Sequence[str] | None, *, cuda: bool = False) -> list[str]:
-    """Entries to run (``name`` or ``name+precision``); unknown names or precisions are a
-    ValueError listing the choices. ``None``: every registered strategy, or on a GPU the
-    comparison GPU users start from (:data:`GPU_DEFAULT`)."""
-    from paratrain.config import PRECISIONS
-    from paratrain.strategies import available_strategies
-
-    known = available_strategies()
-    default = list(GPU_DEFAULT) if cuda else known
-    names = list(default if requested is None else dict.fromkeys(requested))
-    unknown = [n for n in names if split_entry(n)[0] not in known]
-    if unknown:
-        raise ValueError(f"strategies: unknown {', '.join(unknown)}; registered: {', '.join(known)}")
-    bad = [n for n in names if split_entry(n)[1] not in (None, *PRECISIONS)]
-    if bad:
-        raise ValueError(f"strategies: unknown precision in {', '.join(bad)}; "
-                         f"precisions: {', '.join(PRECISIONS)}")
-    # The reference first, so scaling efficiency has its baseline early in the table.
-    return sorted(names, key=lambda n: n != REFERENCE)
+    """Row labels (``ddp``, ``ddp+bf16-mixed``), the reference first; ``None``: every registered
+    strategy, or the seeds' table on CUDA. Unknown names are a ValueError listing the choices."""
+    return [r.label for r in resolve_rows(requested, accelerator="cuda" if cuda else "cpu")]
 
 
 def check_model(config: BenchConfig) -> None:
@@ -155,13 +138,16 @@ def check_model(config: BenchConfig) -> None:
                          f"{type(exc).__name__}: {text[0] if text else ''}") from None
 
 
-def preflight(strategy: str, world_size: int) -> str:
+def preflight(strategy: str, world_size: int, accelerator: str = "cpu") -> str:
     """Why ``strategy`` cannot run on ``world_size`` processes, or "" when it may."""
     from paratrain.strategies import create_strategy, strategy_class
     from paratrain.topology import Topology
 
     if strategy == REFERENCE and world_size > 1:
         return f"'{REFERENCE}' is one process (it would train {world_size} unrelated copies)"
+    shortfall = gpu_shortfall(world_size + bench_jobs.server_args(strategy)[0], accelerator)
+    if shortfall:
+        return shortfall
     try:
         strategy_class(strategy)
     except ImportError as exc:  # registered, but its module is missing or broken
@@ -178,25 +164,28 @@ def preflight(strategy: str, world_size: int) -> str:
     return ""
 
 
-def run_one(config: BenchConfig, strategy: str, world_size: int, workdir: Path) -> BenchRow:
+def run_one(config: BenchConfig, strategy: str, world_size: int, workdir: Path, *,
+            precision: str = "32", accelerator: str = "cpu") -> BenchRow:
     """Launch one configuration and aggregate its ranks' results."""
-    reason = preflight(split_entry(strategy)[0], world_size)
+    kept = {"precision": precision, "device": accelerator}
+    reason = preflight(strategy, world_size, accelerator)
     if reason:
-        return BenchRow(strategy=strategy, world_size=world_size, status="skipped", reason=reason)
-    job_dir = workdir / f"{strategy}-{world_size}"
+        return BenchRow(strategy=strategy, world_size=world_size, status="skipped", reason=reason,
+                        **kept)
+    job_dir = workdir / f"{RowSpec(strategy, precision).label}-{world_size}"
     job_dir.mkdir(parents=True, exist_ok=True)
     spec_path = job_dir / "spec.json"
-    config.job_spec(strategy).write(spec_path)
+    config.job_spec(strategy, precision, accelerator).write(spec_path)
     out_dir = job_dir / "out"
-    argv = bench_jobs.local_launch_argv(spec_path, out_dir, strategy=split_entry(strategy)[0],
+    argv = bench_jobs.local_launch_argv(spec_path, out_dir, strategy=strategy,
                                         world_size=world_size)
     outcome = bench_jobs.run_local(argv, out_dir, env=bench_jobs.job_env(threads=config.threads),
                                    timeout=config.timeout_s)
-    servers = bench_jobs.server_args(split_entry(strategy)[0])[0]
+    servers = bench_jobs.server_args(strategy)[0]
     if not outcome.ok:
         return BenchRow(strategy=strategy, world_size=world_size, status="failed",
-                        reason=outcome.reason, num_processes=world_size + servers)
-    return row_from_results(strategy, world_size, outcome.results,
+                        reason=outcome.reason, num_processes=world_size + servers, **kept)
+    return row_from_results(strategy, world_size, outcome.results, precision=precision,
                             epoch_samples=config.epoch_samples,
                             num_processes=world_size + servers,
                             note=f"+{servers} server(s)" if servers else "")
@@ -212,20 +201,24 @@ def bench(config: BenchConfig | None = None, *, log: Callable[[str], Any] | None
     """
     config = replace(config, **fields) if config is not None else BenchConfig(**fields)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    strategies = resolve_strategies(config.strategies, cuda=config.uses_cuda)
+    accelerator = resolve_accelerator(config.accelerator)
+    rows = resolve_rows(config.strategies, precisions=config.precisions, accelerator=accelerator)
     check_model(config)
-    settings = {**asdict(config), "strategies": strategies,
-                "title": f"paratrain bench: {config.model}, batch {config.batch_size}/process"}
+    settings = {**asdict(config), "strategies": [r.label for r in rows],
+                "accelerator": accelerator,
+                "title": f"paratrain bench: {config.model}, batch {config.batch_size}/process "
+                         f"on {accelerator}"}
     report = BenchReport(settings=settings)
     with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
         root = Path(workdir) if workdir is not None else Path(tmp)
-        for strategy in strategies:
+        for spec in rows:
             for n in config.world_sizes:
-                row = run_one(config, strategy, n, root)
+                row = run_one(config, spec.strategy, n, root, precision=spec.precision,
+                              accelerator=accelerator)
                 report.rows.append(row)
                 what = (f"{row.samples_per_s:,.1f} samples/s" if row.ok
                         else f"{row.status}: {row.reason}")
-                log(f"bench: {strategy} x{n}: {what}")
+                log(f"bench: {spec.label} x{n}: {what}")
     add_scaling_efficiency(report.rows, REFERENCE)
     return report
 
@@ -249,16 +242,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("model", nargs="?", default=DEMO_MODEL,
         help=f"MODULE:CALLABLE returning an nn.Module (default {DEMO_MODEL})")
     add("--input-shape", default="1,28,28", help="shape of one sample (default 1,28,28)")
-    add("--strategies", default=None, help="comma-separated names (default: all registered)")
-    add("--world-sizes", default="1,2", help="training processes per run (default 1,2)")
+    add("--strategies", default=None,
+        help="comma-separated STRATEGY or STRATEGY+PRECISION (default: on CUDA "
+             "single,dp,ddp,ddp+bf16-mixed,fsdp; on CPU all registered)")
+    add("--precision", default="32",
+        help="comma-separated precisions for strategies named without one (default 32)")
+    add("--accelerator", choices=ACCELERATORS, default="auto",
+        help="auto: CUDA when visible (default), cpu or cuda")
+    add("--world-sizes", default=None,
+        help="training processes per run (default: 1,2 on CPU; 1 and the GPU count on CUDA)")
     add("--batch-size", type=int, default=32, help="per process (default 32)")
     add("--warmup", type=int, default=3, help="untimed steps per phase (default 3)")
     add("--steps", type=int, default=10, help="steps per timed window (default 10)")
     add("--repeats", type=int, default=3, help="timed windows (default 3)")
     add("--optimizer", choices=OPTIMIZERS, default="adam")
-    add("--precision", default="32", help="precision of entries without +PRECISION (default 32)")
-    add("--accelerator", choices=("auto", "cpu", "cuda"), default="auto",
-        help="device the jobs train on (default auto: CUDA when visible)")
     add("--epoch-samples", type=int, default=60_000, help="for seconds/epoch (default 60000)")
     add("--threads", type=int, default=None, help="OMP threads per process")
     add("--timeout", type=float, default=600.0, help="seconds per configuration (default 600)")
@@ -274,17 +271,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``paratrain bench``; 2 with one line on bad input."""
     args = build_parser().parse_args(argv)
+    # MODULE:CALLABLE in the current folder, as promised: the console script's sys.path[0] is
+    # its own folder, not the working directory (the workers get it through PYTHONPATH).
     if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # MODULE:CALLABLE in the current folder, as the jobs see it
+        sys.path.insert(0, os.getcwd())
     try:
         strategies = None if args.strategies is None else tuple(
             s.strip() for s in args.strategies.split(",") if s.strip())
+        world_sizes = None if args.world_sizes is None else _ints(args.world_sizes, "--world-sizes")
         config = BenchConfig(
             model=args.model, input_shape=_ints(args.input_shape, "--input-shape"),
-            strategies=strategies, world_sizes=_ints(args.world_sizes, "--world-sizes"),
+            strategies=strategies, precisions=tuple(args.precision.split(",")),
+            accelerator=args.accelerator, world_sizes=world_sizes,
             batch_size=args.batch_size, warmup_steps=args.warmup, steps=args.steps,
             repeats=args.repeats, optimizer=args.optimizer, epoch_samples=args.epoch_samples,
-            precision=args.precision, accelerator=args.accelerator,
             threads=args.threads, timeout_s=args.timeout, link_probe_bytes=args.link_probe)
         for flag, path in (("--json", args.json), ("--csv", args.csv), ("--png", args.png)):
             if path and not Path(path).resolve().parent.is_dir():

@@ -15,6 +15,7 @@ import psutil
 import torch
 from torch import nn
 
+from paratrain.gpu_stats import GpuUtilisation, ensure_cuda_context
 from paratrain.reporting import peak_memory_bytes
 
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -33,7 +34,8 @@ def _status_kib(field: str) -> int | None:
 class MemoryWatch:
     """Peak memory of this process above a baseline taken at construction.
 
-    CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats``. CPU on Linux: the
+    CUDA: ``max_memory_allocated`` after ``reset_peak_memory_stats`` (the context and the
+    device's caching allocator are created first: the reset fails without them). CPU on Linux: the
     kernel's resident high-water mark (``VmHWM``), reset through ``/proc/self/clear_refs``
     so the imports before the baseline do not count; elsewhere ``ru_maxrss``, which may
     include them.
@@ -43,11 +45,7 @@ class MemoryWatch:
         self.device = device
         self.resettable = False
         if device.type == "cuda":
-            # The allocator's statistics exist only once the device has a context: without
-            # one, reset_peak_memory_stats raises "Invalid device argument".
-            torch.cuda.set_device(device)
-            torch.empty(1, device=device)
-            torch.cuda.synchronize(device)
+            ensure_cuda_context(device)
             torch.cuda.reset_peak_memory_stats(device)
             self.baseline = int(torch.cuda.memory_allocated(device))
             return
@@ -65,18 +63,6 @@ class MemoryWatch:
 
     def peak_above_baseline(self) -> int:
         return max(0, self.peak_bytes() - self.baseline)
-
-
-def gpu_utilization(device: torch.device) -> float | None:
-    """Percent of the last sample period the GPU was busy (NVML), or None without NVML.
-
-    ``torch.cuda.utilization`` reads NVML through ``pynvml`` (pip package
-    ``nvidia-ml-py``, the ``paratrain[gpu]`` extra); without it the column reads "n/a".
-    """
-    try:
-        return float(torch.cuda.utilization(device))
-    except Exception:  # noqa: BLE001 - ModuleNotFoundError for pynvml, or an NVML error
-        return None
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -119,7 +105,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> St
 
 class Utilisation:
     """CPU busy share over the timed windows: this process (top-style, 100 = one core) and
-    the machine (0-100 over all cores); GPU utilisation when CUDA and NVML are available.
+    the machine (0-100 over all cores); GPU utilisation on CUDA through NVML, or why not
+    (``gpu_note``, e.g. "n/a (install nvidia-ml-py)").
 
     ``start()``/``accumulate()`` bracket each window; ``result()`` sums them.
     """
@@ -127,7 +114,7 @@ class Utilisation:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._proc = psutil.Process()
-        self._gpu: list[float] = []
+        self._gpu = GpuUtilisation(device)
         self._wall = self._cpu = self._busy = self._total = 0.0
         self.start()
 
@@ -146,16 +133,14 @@ class Utilisation:
 
     def sample_gpu(self) -> None:
         """Call inside a window: NVML's utilisation is an average over the last second."""
-        if self.device.type == "cuda":
-            value = gpu_utilization(self.device)
-            if value is not None:
-                self._gpu.append(value)
+        self._gpu.sample()
 
-    def result(self) -> dict[str, float | None]:
+    def result(self) -> dict[str, float | str | None]:
         return {
             "cpu_percent": 100.0 * self._cpu / self._wall if self._wall > 0 else None,
             "system_cpu_percent": 100.0 * self._busy / self._total if self._total > 0 else None,
-            "gpu_percent": sum(self._gpu) / len(self._gpu) if self._gpu else None,
+            "gpu_percent": self._gpu.mean(),
+            "gpu_note": self._gpu.unavailable,
             "num_cpus": float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                               else os.cpu_count() or 1),
         }

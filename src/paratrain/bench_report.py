@@ -14,10 +14,13 @@ from paratrain.plan_report import format_bytes, format_seconds
 
 @dataclass(kw_only=True)
 class BenchRow:
-    """One strategy at one world size. Times in seconds, memory in bytes per rank."""
+    """One strategy at one precision and world size. Times in seconds, memory in bytes per rank
+    (on CUDA the GPU memory of the caching allocator)."""
 
     strategy: str
     world_size: int
+    precision: str = "32"
+    device: str = ""  # cpu, cuda:0, ...
     status: str = "ok"  # ok, skipped or failed
     reason: str = ""
     note: str = ""
@@ -38,8 +41,8 @@ class BenchRow:
     optimizer_bytes: int | None = None
     cpu_percent: float | None = None  # mean over ranks, 100 = one core busy
     system_cpu_percent: float | None = None
-    gpu_percent: float | None = None  # NVML, mean over ranks; None without nvidia-ml-py
-    device: str = ""  # what rank 0 trained on, e.g. "cpu" or "cuda:0"
+    gpu_percent: float | None = None  # NVML utilisation, mean over ranks
+    gpu_note: str = ""  # why gpu_percent is missing on CUDA, e.g. "n/a (install nvidia-ml-py)"
     scaling_efficiency: float | None = None
     link_bus_bandwidth: float | None = None  # bytes/s, from the optional link probe
     link_latency_s: float | None = None
@@ -48,12 +51,16 @@ class BenchRow:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    @property
+    def label(self) -> str:
+        """The row's name: ``ddp`` at float32, ``ddp+bf16-mixed`` otherwise."""
+        return self.strategy if self.precision == "32" else f"{self.strategy}+{self.precision}"
 
-def _gpu_cell(row: BenchRow) -> str:
-    """GPU busy share: "-" on CPU, "n/a" on a GPU without NVML, else a percentage."""
-    if not row.device.startswith("cuda"):
-        return "-"
-    return "n/a" if row.gpu_percent is None else f"{row.gpu_percent:.0f}"
+    def gpu_text(self) -> str:
+        """GPU utilisation for the table: a percentage, why it is missing, or "-" off CUDA."""
+        if self.gpu_percent is not None:
+            return f"{self.gpu_percent:.0f}"
+        return self.gpu_note or "-"
 
 
 def _mean(values: list[Any]) -> float | None:
@@ -62,7 +69,8 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any]], *,
-                     epoch_samples: int, num_processes: int, note: str = "") -> BenchRow:
+                     epoch_samples: int, num_processes: int, note: str = "",
+                     precision: str = "32") -> BenchRow:
     """Aggregate the per-rank JSON of one job (see :mod:`paratrain.bench_worker`).
 
     The step times are already the maximum over ranks; throughput per window is
@@ -79,7 +87,8 @@ def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any
     notes = [n for n in (note, first.get("notice")) if n]
     bus, latency = link_from_probe(first)
     return BenchRow(
-        strategy=strategy, world_size=world_size, note="; ".join(notes),
+        strategy=strategy, world_size=world_size, precision=precision,
+        device=first.get("device", ""), note="; ".join(notes),
         num_processes=num_processes, samples_per_step=samples, samples_per_s=median_speed,
         samples_per_s_min=min(speeds), samples_per_s_max=max(speeds), step_time_s=step,
         compute_time_s=compute, optimizer_step_s=opt,
@@ -93,7 +102,7 @@ def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any
         cpu_percent=_mean([r.get("cpu_percent") for r in results]),
         system_cpu_percent=_mean([r.get("system_cpu_percent") for r in results]),
         gpu_percent=_mean([r.get("gpu_percent") for r in results]),
-        device=str(first.get("device", "")),
+        gpu_note=next((r["gpu_note"] for r in results if r.get("gpu_note")), ""),
         link_bus_bandwidth=bus, link_latency_s=latency,
     )
 
@@ -113,12 +122,13 @@ def link_from_probe(result: dict) -> tuple[float | None, float | None]:
 
 
 def add_scaling_efficiency(rows: list[BenchRow], reference: str = "single") -> None:
-    """``throughput_N / (N * throughput_1)``; throughput_1 is ``reference`` at world size 1
-    when measured, else the same strategy at world size 1."""
-    ones = {r.strategy: r.samples_per_s for r in rows if r.ok and r.world_size == 1}
-    base_ref = ones.get(reference)
+    """``throughput_N / (N * throughput_1)``; throughput_1 is ``reference`` at world size 1 and
+    the row's precision when measured, else the same strategy and precision at world size 1
+    (so a faster precision is not counted as scaling)."""
+    ones = {(r.strategy, r.precision): r.samples_per_s for r in rows
+            if r.ok and r.world_size == 1}
     for row in rows:
-        base = base_ref or ones.get(row.strategy)
+        base = ones.get((reference, row.precision)) or ones.get((row.strategy, row.precision))
         if row.ok and base:
             row.scaling_efficiency = row.samples_per_s / (row.world_size * base)
 
@@ -134,15 +144,17 @@ class BenchReport:
     settings: dict[str, Any]
     rows: list[BenchRow] = field(default_factory=list)
 
-    def row(self, strategy: str, world_size: int) -> BenchRow:
+    def row(self, label: str, world_size: int) -> BenchRow:
+        """The row named ``label`` (``ddp``, ``ddp+bf16-mixed``) at ``world_size``."""
         for r in self.rows:
-            if r.strategy == strategy and r.world_size == world_size:
+            if r.label == label and r.world_size == world_size:
                 return r
-        raise KeyError((strategy, world_size))
+        raise KeyError((label, world_size))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: settings and every row with every field."""
-        return {"settings": dict(self.settings), "rows": [asdict(r) for r in self.rows]}
+        """JSON-ready: settings and every row with every field (and its ``label``)."""
+        return {"settings": dict(self.settings),
+                "rows": [{"label": r.label, **asdict(r)} for r in self.rows]}
 
     def format_table(self) -> str:
         """Aligned text: one line per strategy x world size; skipped ones with their reason."""
@@ -151,38 +163,35 @@ class BenchReport:
         rows = [head]
         for r in self.rows:
             if not r.ok:
-                rows.append((r.strategy, str(r.world_size), *["-"] * 10,
+                rows.append((r.label, str(r.world_size), *["-"] * (len(head) - 3),
                              f"{r.status}: {r.reason}"))
                 continue
             state = (r.param_bytes or 0) + (r.grad_bytes or 0) + (r.optimizer_bytes or 0)
             rows.append((
-                r.strategy, str(r.world_size), f"{r.samples_per_s:,.1f}",
+                r.label, str(r.world_size), f"{r.samples_per_s:,.1f}",
                 f"{r.samples_per_s_min:,.0f}-{r.samples_per_s_max:,.0f}",
                 f"{r.seconds_per_epoch:,.1f}", format_seconds(r.step_time_s),
                 _pct(r.exposed_comm_share), format_bytes(r.peak_memory_bytes),
-                format_bytes(state), f"{r.cpu_percent:.0f}", _gpu_cell(r),
+                format_bytes(state), f"{r.cpu_percent:.0f}", r.gpu_text(),
                 _pct(r.scaling_efficiency), r.note))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         left = {0, len(head) - 1}
         lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w)
                            for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        if any(_gpu_cell(r) == "n/a" for r in self.rows if r.ok):
-            lines.append("GPU %: n/a means NVML is missing: pip install 'paratrain[gpu]' "
-                         "(nvidia-ml-py)")
         return "\n".join(lines)
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     def write_csv(self, path: str | Path) -> None:
-        """One row per configuration; list fields are joined with ``;``."""
-        names = [f.name for f in fields(BenchRow)]
+        """One row per configuration (``label`` first); list fields are joined with ``;``."""
+        names = ["label", *(f.name for f in fields(BenchRow))]
         with open(path, "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=names)
             writer.writeheader()
             for r in self.rows:
-                row = asdict(r)
+                row = {"label": r.label, **asdict(r)}
                 row["peak_memory_per_rank"] = ";".join(map(str, r.peak_memory_per_rank))
                 writer.writerow({k: "" if v is None else v for k, v in row.items()})
 
@@ -196,8 +205,8 @@ class BenchReport:
         import matplotlib.pyplot as plt
 
         fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
-        for name in dict.fromkeys(r.strategy for r in self.rows):
-            ok = sorted((r for r in self.rows if r.strategy == name and r.ok),
+        for name in dict.fromkeys(r.label for r in self.rows):
+            ok = sorted((r for r in self.rows if r.label == name and r.ok),
                         key=lambda r: r.world_size)
             if not ok:
                 continue

@@ -32,6 +32,7 @@ from typing import Any
 
 DEMO_MODEL = "paratrain.demo:convnet"
 OPTIMIZERS = ("adam", "sgd")
+ACCELERATORS = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,9 +62,9 @@ class JobSpec:
     seed: int = 0
     """Seed of the model and the synthetic data."""
     precision: str = "32"
-    """``Run(precision=...)``: ``32``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true``."""
+    """``Run``'s precision: ``32``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true``."""
     accelerator: str = "auto"
-    """``Run(accelerator=...)``: ``auto`` (CUDA when visible), ``cpu`` or ``cuda``."""
+    """``auto`` (CUDA when visible), ``cpu`` or ``cuda``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_shape", tuple(self.input_shape))
@@ -85,8 +86,8 @@ class JobSpec:
 
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.accelerator not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"accelerator must be auto, cpu or cuda, got {self.accelerator!r}")
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}")
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -126,28 +127,22 @@ def make_loss(output: Any, batch_size: int, generator: Any) -> Callable[[Any], A
     return lambda out: (out[0] if isinstance(out, (tuple, list)) else out).float().pow(2).mean()
 
 
-def _synchronize(device: Any) -> None:
-    """Wait for queued GPU work, so a wall-clock reading covers it (no-op on CPU)."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed_optimizer_step(model: Any, spec: JobSpec, device: Any, repeats: int = 5) -> float:
     """Median seconds of one local optimizer step on a copy of the parameters on ``device``."""
     import torch
 
-    params = [p.detach().to(device, copy=True).requires_grad_(True) for p in model.parameters()]
+    from paratrain.gpu_stats import synchronize
+
+    params = [p.detach().to(device).clone().requires_grad_(True) for p in model.parameters()]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = _optimizer(params, spec)
     times = []
     for _ in range(repeats + 1):
-        _synchronize(device)
+        synchronize(device)
         t0 = time.perf_counter()
         opt.step()
-        _synchronize(device)
+        synchronize(device)  # the step's kernels are only queued when step() returns
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -182,6 +177,8 @@ def _link_probe(run: Any, num_bytes: int, repeats: int = 7) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from paratrain.gpu_stats import synchronize
+
     if not dist.is_initialized():
         return {}
     # Without data parallelism (a pipeline) the links between all ranks are what counts.
@@ -196,10 +193,10 @@ def _link_probe(run: Any, num_bytes: int, repeats: int = 7) -> dict[str, float]:
         dist.all_reduce(tensor, group=group)  # warm-up: connections are set up lazily
         times = []
         for _ in range(repeats):
-            _synchronize(run.device)
+            synchronize(run.device)
             t0 = time.perf_counter()
             dist.all_reduce(tensor, group=group)
-            _synchronize(run.device)  # NCCL returns before the transfer is done
+            synchronize(run.device)  # NCCL's all_reduce returns once queued
             times.append(time.perf_counter() - t0)
         out[key] = min(times)
     return out
@@ -214,6 +211,8 @@ def _phases(run: Any, model: Any, optimizer: Any, batches: list, loss_fn: Callab
     """
     import torch
 
+    from paratrain.gpu_stats import synchronize
+
     def one(i: int, sync: bool) -> None:
         x = batches[i % len(batches)]
         if sync:
@@ -226,15 +225,15 @@ def _phases(run: Any, model: Any, optimizer: Any, batches: list, loss_fn: Callab
 
     def window(sync: bool) -> float:
         run.strategy.all_reduce(torch.zeros(1, device=run.device))  # start together
+        synchronize(run.device)  # neither the warm-up nor the last window's work may leak in
         if sync:
             util.start()
-        _synchronize(run.device)
         t0 = time.perf_counter()
         for i in range(spec.steps):
             one(i, sync)
             if sync and i == spec.steps // 2:
                 util.sample_gpu()
-        _synchronize(run.device)
+        synchronize(run.device)
         elapsed = (time.perf_counter() - t0) / spec.steps
         if sync:
             util.accumulate()

@@ -23,7 +23,7 @@ import os
 import random
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from paratrain.verify_probe import (
     ProbeSetup,
     model_traits,
     probe_worker,
+    resolve_accelerator,
     run_probe,
 )
 
@@ -75,6 +76,8 @@ class VerifyReport:
     results: list[FactorizationResult]
     tolerance: float
     num_steps: int
+    accelerator: str = "cpu"
+    """Where the probes ran: ``cpu`` or ``cuda``."""
 
     @property
     def ok(self) -> bool:
@@ -84,7 +87,8 @@ class VerifyReport:
         """A table: max relative differences per factorization, flags and likely causes."""
         global_batch = self.results[0].factorization.global_batch
         lines = [f"verify: {self.num_steps} probe steps, global batch {global_batch}, "
-                 f"tolerance {self.tolerance:.0e} (max relative difference vs the reference)",
+                 f"tolerance {self.tolerance:.0e} (max relative difference vs the reference), "
+                 f"on {self.accelerator}",
                  f"{'factorization':<14}{'world':>6}{'micro':>6}{'accum':>6}"
                  f"{'grad diff':>12}{'param diff':>12}  result"]
         for r in self.results:
@@ -182,13 +186,13 @@ def verify(setup: ProbeSetup | None = None, *,
 
     ``tolerance`` bounds the max relative difference of gradients and
     parameters (default by precision: 1e-4 for float32). ``no_dropout`` turns
-    dropout off in every probe, so the rest of the setup can be checked.
+    dropout off in every probe, so the rest of the setup can be checked. The probes run on
+    CUDA when ``setup.accelerator`` is ``auto`` and every process can have a GPU.
     """
     setup = setup or ProbeSetup()
     factorizations = parse_factorizations(factorizations)
-    tolerance = DEFAULT_TOLERANCE[setup.precision] if tolerance is None else tolerance
-    if not tolerance > 0:
-        raise ValueError(f"tolerance must be > 0, got {tolerance}")
+    tolerance = _check_tolerance(setup, tolerance)
+    setup = replace(setup, accelerator=resolve_accelerator(setup.accelerator, factorizations))
     base = frozenset({"no-dropout"} if no_dropout else ())
     with _caller_rng_kept():
         traits = model_traits(setup.model_fn())
@@ -214,7 +218,14 @@ def verify(setup: ProbeSetup | None = None, *,
             result.causes = _diagnose(f, data, base, variants[1:], results, reference_f,
                                       tolerance)
         report.append(result)
-    return VerifyReport(report, tolerance, setup.num_steps)
+    return VerifyReport(report, tolerance, setup.num_steps, setup.accelerator)
+
+
+def _check_tolerance(setup: ProbeSetup, tolerance: float | None) -> float:
+    tolerance = DEFAULT_TOLERANCE[setup.precision] if tolerance is None else tolerance
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be > 0, got {tolerance}")
+    return tolerance
 
 
 def _diagnose(f: Factorization, data_matches: bool, base: frozenset[str],
@@ -244,21 +255,6 @@ def _resolve(spec: str, option: str) -> Any:
                          "that holds the module or add it to PYTHONPATH") from None
 
 
-def resolve_accelerator(accelerator: str, factorizations: Sequence[Factorization], *,
-                        num_gpus: int | None = None) -> str:
-    """``auto`` is ``cuda`` when every probe's ranks get a GPU of their own, else ``cpu``.
-
-    A probe of N processes needs N GPUs (NCCL refuses two ranks on one device); the
-    comparison is only meaningful when every probe runs on the same kind of device.
-    """
-    if accelerator != "auto":
-        return accelerator
-    if num_gpus is None:
-        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    largest = max(f.world_size for f in factorizations)
-    return "cuda" if num_gpus >= largest else "cpu"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -268,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tolerance", type=float, default=None, help="max relative difference (default by precision)")
     add("--precision", default="32")
     add("--accelerator", default="auto",
-        help="cpu, cuda or auto (default: CUDA when every probe's ranks get a GPU each)")
+        help="auto (CUDA when every process can have a GPU, default), cpu or cuda")
     add("--strategy", default="ddp", help="strategy for multi-process factorizations")
     add("--lr", type=float, default=0.05)
     add("--seed", type=int, default=0)
@@ -287,17 +283,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # MODULE:FN in the current folder
     try:
+        # Every argument is checked before any data is read: a bad one fails at once, with
+        # its own message, whether or not the dataset is there.
         fields: dict[str, Any] = {}
         for option, name in (("model", "model_fn"), ("data", "data_fn"),
                              ("loader", "loader_fn"), ("step", "step_fn")):
             if getattr(args, option):
                 fields[name] = _resolve(getattr(args, option), f"--{option}")
-        # Every argument is checked before anything slow (data, processes) starts.
-        factorizations = parse_factorizations(args.factorizations.split(","))
         setup = ProbeSetup(num_steps=args.steps, lr=args.lr, seed=args.seed,
                            precision=args.precision, strategy=args.strategy,
-                           accelerator=resolve_accelerator(args.accelerator, factorizations),
+                           accelerator=args.accelerator,
                            timeout_s=args.timeout, **fields)
+        factorizations = parse_factorizations(args.factorizations.split(","))
+        _check_tolerance(setup, args.tolerance)
+        resolve_accelerator(setup.accelerator, factorizations)
         if "data_fn" not in fields:
             from paratrain.datasets import find_fashion_mnist
 

@@ -118,7 +118,10 @@ class ProbeSetup:
     strategy: str = "ddp"
     """Strategy for factorizations with more than one process."""
 
-    accelerator: str = "cpu"
+    accelerator: str = "auto"
+    """``auto`` (CUDA when enough devices are visible, see :func:`resolve_accelerator`),
+    ``cpu`` or ``cuda``."""
+
     timeout_s: float = 120.0
     """Limit for each multi-process probe."""
 
@@ -139,6 +142,30 @@ class ProbeSetup:
         for name in ("model_fn", "data_fn", "loader_fn", "step_fn"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name} must be callable, got {getattr(self, name)!r}")
+
+
+def resolve_accelerator(requested: str, factorizations: Iterable[Factorization], *,
+                        num_gpus: int | None = None) -> str:
+    """``cpu`` or ``cuda`` for every probe of ``factorizations``.
+
+    Each process of a probe needs a GPU of its own (NCCL refuses two ranks on one device),
+    so ``auto`` picks CUDA when a device is visible and there are as many as the largest
+    world size, else the CPU; ``cuda`` without enough devices is a ValueError.
+    """
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"accelerator must be 'auto', 'cpu' or 'cuda', got {requested!r}")
+    if requested == "cpu":
+        return "cpu"
+    largest = max((f for f in factorizations), key=lambda f: f.world_size)
+    visible = num_gpus if num_gpus is not None else (
+        torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if visible >= largest.world_size:
+        return "cuda"
+    if requested == "auto":
+        return "cpu"
+    raise ValueError(f"accelerator 'cuda': factorization {largest.label} needs "
+                     f"{largest.world_size} GPUs (one per process), {visible} visible; use "
+                     "--accelerator cpu or factorizations with fewer processes")
 
 
 def model_traits(model: nn.Module) -> dict[str, bool]:
