@@ -193,3 +193,27 @@ def test_run_progress_in_a_log_prints_a_line_per_epoch(capsys):
     err = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0] for line in err] == ["epoch 0", "epoch 1"]
     assert all("48/48 samples (100%)" in line and "tokens/s" in line for line in err)
+
+
+def test_counting_ends_at_step_when_backward_bypasses_the_run():
+    with paratrain.Run(accelerator="cpu", progress=False, peak_flops=1e12) as run:
+        model = run.prepare(nn.Linear(4, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(3, 4)).sum().backward()
+        run.step(optimizer)
+        assert not run._flop_counter.active
+        assert run.throughput.flops_per_sample == 2 * (2 * 4 * 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_run_uses_the_table_peak_and_counts_flops():
+    with paratrain.Run(accelerator="cuda", progress=False, precision="bf16-mixed") as run:
+        name = torch.cuda.get_device_name(run.device)
+        fit(run)
+        stats = run.epoch_stats[0]
+        peak = peak_flops_for(name, "bf16")
+        assert run.throughput.peak_flops == peak
+        if peak is None:  # unlisted GPU, or no bf16 units
+            assert stats["mfu"] is None
+        else:
+            assert stats["mfu"] is not None and 0 < stats["mfu"] < 1

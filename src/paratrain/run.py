@@ -289,6 +289,7 @@ class Run:
         ``16-mixed``, the scaler skipped an overflowed step; see
         ``run.precision.skipped_steps``). Gradients are zeroed after it.
         """
+        self._count_flops_done()  # in case backward bypassed run.backward
         boundary = self._at_boundary()
         self._micro_step += 1
         if not boundary:
