@@ -63,6 +63,14 @@ class RunConfig:
     tensorboard_dir: str | None = None
     """Also write metrics to TensorBoard event files here (needs tensorboard)."""
 
+    tokens_per_sample: int | None = None
+    """Tokens in one sample (e.g. the sequence length): adds tokens/s to the bar,
+    the epoch stats and the metrics log."""
+
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device for MFU, overriding the table of known GPUs (needed
+    on CPU and unlisted GPUs); 0 turns FLOP counting and MFU off."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, str) or not self.strategy:
             raise ValueError(f"strategy must be a strategy name, got {self.strategy!r}")
@@ -88,6 +96,19 @@ class RunConfig:
                 raise ValueError("checkpoint_every needs checkpoint_dir to be set")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.tokens_per_sample is not None and (
+                isinstance(self.tokens_per_sample, bool)
+                or not isinstance(self.tokens_per_sample, int) or self.tokens_per_sample < 1):
+            raise ValueError(
+                f"tokens_per_sample must be an integer >= 1 or None, got {self.tokens_per_sample!r}"
+            )
+        if self.peak_flops is not None and (
+                isinstance(self.peak_flops, bool) or not isinstance(self.peak_flops, (int, float))
+                or not self.peak_flops >= 0):
+            raise ValueError(
+                f"peak_flops must be a number of FLOP/s >= 0 (e.g. 989e12) or None, "
+                f"got {self.peak_flops!r}"
+            )
         if self.metrics_path is not None and not self.metrics_path.endswith((".csv", ".jsonl")):
             raise ValueError(
                 f"metrics_path must end in .csv or .jsonl, got {self.metrics_path!r}"

@@ -8,9 +8,9 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm.auto import tqdm
@@ -82,12 +82,19 @@ def _plain(value: Any) -> Any:
 
 
 class Reporter:
-    """Printing and progress on the main rank only; other ranks stay silent."""
+    """Printing and progress on the main rank only; other ranks stay silent.
 
-    def __init__(self, *, is_main: bool, show_progress: bool, metrics: MetricsLog | None) -> None:
+    On a terminal the progress is a tqdm bar; in a log file (stderr not a
+    terminal) it is one plain line every ``log_interval_s`` and one at the end.
+    """
+
+    def __init__(self, *, is_main: bool, show_progress: bool, metrics: MetricsLog | None,
+                 stream: TextIO | None = None, log_interval_s: float = 30.0) -> None:
         self.is_main = is_main
         self.show_progress = show_progress and is_main
         self.metrics = metrics
+        self.stream = stream
+        self.log_interval_s = log_interval_s
         self._bar: tqdm | None = None
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -103,42 +110,108 @@ class Reporter:
             self.metrics.write(row, step=step)
 
     def progress(
-        self, batches: Iterable[Any], *, total_samples: int, samples_per_batch: int, desc: str
+        self, batches: Iterable[Any], *, total_samples: int, samples_per_batch: int, desc: str,
+        rates: Callable[[float], dict[str, float | None]] | None = None,
     ) -> Iterator[Any]:
-        """Yield ``batches``; on the main rank show global samples and samples/s."""
+        """Yield ``batches``; on the main rank show global samples, samples/s and ``rates``.
+
+        ``rates(samples_per_s)`` adds derived figures (tokens/s, TFLOP/s, MFU; see
+        :class:`paratrain.flops.Throughput`) after the speed.
+        """
         if not self.show_progress:
             yield from batches
             return
-        interactive = sys.stderr.isatty()
+        stream = self.stream or sys.stderr
+        meter = _Meter(total_samples, samples_per_batch, rates)
+        if _isatty(stream):
+            yield from self._bar_progress(batches, meter, desc=desc, stream=stream)
+        else:
+            yield from self._line_progress(batches, meter, desc=desc, stream=stream)
+
+    def _bar_progress(self, batches: Iterable[Any], meter: _Meter, *, desc: str,
+                      stream: TextIO) -> Iterator[Any]:
         bar = tqdm(
-            total=total_samples,
-            desc=desc,
-            unit="sample",
-            unit_scale=True,
-            dynamic_ncols=True,
-            # In logs (no terminal) a line every 30 s is enough.
-            mininterval=0.1 if interactive else 30.0,
-            leave=interactive,
+            total=meter.total, desc=desc, unit="sample", unit_scale=True, dynamic_ncols=True,
+            mininterval=0.1, file=stream,
+            # tqdm's own rate is left out: the postfix shows the speed once, with rates.
+            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
         )
         self._bar = bar
-        start = time.perf_counter()
-        done = 0
         try:
             for batch in batches:
                 yield batch
-                step = min(samples_per_batch, total_samples - done)
-                done += step
-                bar.update(step)
-                elapsed = time.perf_counter() - start
-                if elapsed > 0:
-                    bar.set_postfix_str(f"{done / elapsed:,.0f} samples/s", refresh=False)
+                bar.update(meter.advance())
+                bar.set_postfix_str(meter.describe(), refresh=False)
         finally:
             bar.close()
             self._bar = None
 
+    def _line_progress(self, batches: Iterable[Any], meter: _Meter, *, desc: str,
+                       stream: TextIO) -> Iterator[Any]:
+        # A log file keeps every byte: no carriage-return redraws, no 0% line and no
+        # line of spaces to erase the bar, only complete lines.
+        last = meter.start
+        try:
+            for batch in batches:
+                yield batch
+                meter.advance()
+                if meter.done < meter.total and time.perf_counter() - last >= self.log_interval_s:
+                    last = time.perf_counter()
+                    print(meter.line(desc), file=stream, flush=True)
+        finally:
+            print(meter.line(desc), file=stream, flush=True)
+
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+
+
+class _Meter:
+    """Samples done, the average speed since the start and its one-line description."""
+
+    def __init__(self, total: int, per_batch: int,
+                 rates: Callable[[float], dict[str, float | None]] | None) -> None:
+        self.total = total
+        self.per_batch = per_batch
+        self.rates = rates
+        self.done = 0
+        self.start = time.perf_counter()
+
+    def advance(self) -> int:
+        step = min(self.per_batch, self.total - self.done)
+        self.done += step
+        return step
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def describe(self) -> str:
+        elapsed = self.elapsed()
+        speed = self.done / elapsed if elapsed > 0 else 0.0
+        return ", ".join([f"{speed:,.0f} samples/s",
+                          *format_rates(self.rates(speed) if self.rates else {})])
+
+    def line(self, desc: str) -> str:
+        percent = 100 * self.done // self.total if self.total else 100
+        return (f"{desc}: {self.done:,}/{self.total:,} samples ({percent}%) in "
+                f"{tqdm.format_interval(self.elapsed())}, {self.describe()}")
+
+
+def format_rates(rates: dict[str, float | None]) -> list[str]:
+    """Bar forms of :meth:`paratrain.flops.Throughput.rates`: ``1.23M tokens/s``, ``MFU 41.0%``."""
+    parts = []
+    if rates.get("tokens_per_s") is not None:
+        parts.append(f"{tqdm.format_sizeof(rates['tokens_per_s'])} tokens/s")
+    if rates.get("tflops_per_device") is not None:
+        parts.append(f"{tqdm.format_sizeof(rates['tflops_per_device'] * 1e12)}FLOP/s")
+    if "mfu" in rates:
+        parts.append("MFU n/a" if rates["mfu"] is None else f"MFU {100 * rates['mfu']:.1f}%")
+    return parts
+
+
+def _isatty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def cpu_threads_per_process(local_world_size: int) -> int:

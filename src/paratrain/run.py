@@ -32,6 +32,7 @@ from paratrain import checkpoint, faults, health, misuse, signals
 from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.config import RunConfig
 from paratrain.data import DistributedLoader, ShardedSampler
+from paratrain.flops import FirstStepFlops, Throughput, device_peak_flops
 from paratrain.losses import GlobalCount
 from paratrain.precision import Precision
 from paratrain.reporting import MetricsLog, Reporter
@@ -106,6 +107,15 @@ class Run:
         notice = getattr(self.strategy, "notice", lambda: None)()
         if notice:
             self.print(notice)
+        peak = device_peak_flops(device=self.device, precision=self.config.precision,
+                                 override=self.config.peak_flops)
+        self.throughput = Throughput(
+            tokens_per_sample=self.config.tokens_per_sample, peak_flops=peak,
+            flops_per_sample=None, replicas=self.strategy.data_parallel_size,
+            on_gpu=self.device.type == "cuda")
+        """Tokens/s and MFU derived from the samples/s (see :mod:`paratrain.flops`)."""
+        # Counted only when MFU can be reported: CPU runs without peak_flops do no extra work.
+        self._flop_counter = FirstStepFlops(enabled=peak is not None)
         seed_everything(self.config.seed)
         self.state = RunState(self)
         self.epoch_stats: list[dict[str, float]] = []
@@ -236,14 +246,19 @@ class Run:
             self.reporter.log(stats, step=self.global_step)
             self.state.epoch = epoch + 1
 
-    def epoch_throughput(self) -> dict[str, float]:
-        """Global samples, seconds and samples/s of the current epoch so far."""
+    def epoch_throughput(self) -> dict[str, float | None]:
+        """Global samples, seconds and samples/s of the current epoch so far.
+
+        Also ``tokens_per_s`` (with ``tokens_per_sample``), ``tflops_per_device``
+        once the first step's FLOPs are counted, and ``mfu`` (None when n/a).
+        """
         start_offset, start_time = self._epoch_start
         elapsed = time.perf_counter() - start_time
         loader = self._train_loader
         samples = (loader.position - start_offset) if loader is not None else 0
-        return {"samples": samples, "seconds": elapsed,
-                "samples_per_s": samples / elapsed if elapsed > 0 else 0.0}
+        speed = samples / elapsed if elapsed > 0 else 0.0
+        return {"samples": samples, "seconds": elapsed, "samples_per_s": speed,
+                **self.throughput.rates(speed)}
 
     def progress(self, batches: Iterable[Any], *, desc: str | None = None) -> Iterator[Any]:
         """Iterate ``batches`` with a rank-0 progress bar counting global samples."""
@@ -254,7 +269,8 @@ class Run:
             remaining, per_batch = len(batches) * self.world_size, self.world_size  # type: ignore[arg-type]
         desc = desc or f"epoch {self.state.epoch}"
         return self.reporter.progress(batches, total_samples=remaining,
-                                      samples_per_batch=per_batch, desc=desc)
+                                      samples_per_batch=per_batch, desc=desc,
+                                      rates=self.throughput.bar_rates)
 
     def backward(self, loss: torch.Tensor, *, count: torch.Tensor | float | None = None) -> None:
         """Backward pass of ``loss``, scaled for accumulation and precision.
@@ -271,8 +287,11 @@ class Run:
         # micro-batch's loss counts 1/accumulate.
         if self.config.accumulate > 1 and count is None:
             loss = loss / self.config.accumulate
-        with self._guard_peers():
-            self.strategy.backward(self.precision.scale_loss(loss))
+        try:
+            with self._guard_peers():
+                self.strategy.backward(self.precision.scale_loss(loss))
+        finally:
+            self._count_flops_done()
         if self._sync_context is not None:
             self._sync_context.close()
             self._sync_context = None
@@ -284,6 +303,7 @@ class Run:
         ``16-mixed``, the scaler skipped an overflowed step; see
         ``run.precision.skipped_steps``). Gradients are zeroed after it.
         """
+        self._count_flops_done()  # in case backward bypassed run.backward
         boundary = self._at_boundary()
         self._micro_step += 1
         if not boundary:
@@ -370,10 +390,18 @@ class Run:
         self._backward_in_group = False
         self._counts.reset()
 
+    def _count_flops_done(self) -> None:
+        if self._flop_counter.active:
+            self._flop_counter.stop()
+            self.throughput.flops_per_sample = self._flop_counter.flops_per_sample
+
     def _wrap_forward(self, model: nn.Module) -> None:
         original = model.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled() and model.training:
+                # The first training micro-step (forward to backward) is counted for MFU.
+                self._flop_counter.start(args, kwargs)
             if (torch.is_grad_enabled() and model.training and self._sync_context is None
                     and not self._at_boundary()):
                 # Not the last micro-step: forward and backward run inside no_sync so
@@ -462,6 +490,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_flop_counter"):
+            self._count_flops_done()  # a run that never called backward
         if hasattr(self, "reporter"):
             self.reporter.close()
         if hasattr(self, "state"):
