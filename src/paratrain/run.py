@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain import faults, health, signals
+from paratrain import faults, hang, health, signals
 from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.config import RunConfig
 from paratrain.data import DistributedLoader, ShardedSampler
@@ -81,6 +81,10 @@ class Run:
             self._health = health.HealthMonitor(topology=self.topology,
                                                 every=health.health_every())
             self._health.check_config(self.config)
+            # Records the collectives each rank enters; names the stuck one (paratrain.hang).
+            self._hang = hang.HangMonitor(
+                rank=self.rank, world_size=self.world_size, hosts=self._health.hosts,
+                warn_after_s=hang.warn_after_s(self.config.timeout_s))
         except BaseException:
             self.close()
             raise
@@ -257,7 +261,7 @@ class Run:
         # micro-batch's loss counts 1/accumulate.
         if self.config.accumulate > 1 and count is None:
             loss = loss / self.config.accumulate
-        with self._guard_peers():
+        with self._guard_peers(), self._hang.phase("backward"):
             self.strategy.backward(self.precision.scale_loss(loss))
         if self._sync_context is not None:
             self._sync_context.close()
@@ -274,7 +278,7 @@ class Run:
         self._micro_step += 1
         if not boundary:
             return False
-        with self._guard_peers():
+        with self._guard_peers(), self._hang.phase("step"):
             self._optimizer_step(optimizer)
         return True
 
@@ -362,7 +366,8 @@ class Run:
                 # gradients accumulate locally; the context closes after backward.
                 self._sync_context = contextlib.ExitStack()
                 self._sync_context.enter_context(self.strategy.no_sync(model))
-            with self._guard_peers():  # DDP's forward may communicate (buffers)
+            # DDP's forward may communicate (buffers)
+            with self._guard_peers(), self._hang.phase("forward"):
                 return self.precision.forward(original, *args, **kwargs)
 
         model.forward = forward  # type: ignore[method-assign]
@@ -443,6 +448,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_hang"):
+            self._hang.close()
         if hasattr(self, "reporter"):
             self.reporter.close()
         if hasattr(self, "state"):
