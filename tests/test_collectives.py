@@ -127,6 +127,25 @@ def test_recorder_wraps_and_restores(port):
     assert (second.op, second.what, second.seq) == ("all_gather", "f32[2]", 1)
 
 
+def test_bad_warn_value_is_one_clear_error(monkeypatch):
+    import paratrain
+
+    monkeypatch.setenv("PARATRAIN_COLLECTIVE_WARN_S", "-1")
+    with pytest.raises(ValueError, match=r"^PARATRAIN_COLLECTIVE_WARN_S='-1' must be a number "
+                                         r"of seconds >= 0 \(0 disables"):
+        paratrain.Run()
+
+
+def test_single_process_run_wraps_nothing():
+    import paratrain
+
+    original = dist.all_reduce
+    with paratrain.Run() as run:
+        assert dist.all_reduce is original and run._hang.watchdog is None
+        with run._hang.phase("step"):
+            assert run._hang.recorder.phase is None
+
+
 # -- three ranks, through Run -------------------------------------------------------
 class _SlowLinear(torch.nn.Linear):
     def __init__(self, *, delay: float) -> None:
@@ -138,7 +157,7 @@ class _SlowLinear(torch.nn.Linear):
         return super().forward(x)
 
 
-def _scenario_worker(rank: int, world_size: int, scenario: str) -> list[str]:
+def _scenario_worker(rank: int, world_size: int, scenario: str) -> tuple[list[str], bool]:
     import paratrain
 
     run = paratrain.Run(strategy="ddp", timeout_s=30)
@@ -166,11 +185,13 @@ def _scenario_worker(rank: int, world_size: int, scenario: str) -> list[str]:
     finally:
         reports = list(run._hang.watchdog.reports)
         run.close()
-    return reports
+    return reports, hasattr(dist.all_reduce, "__paratrain_recorder__")
 
 
 def _spawn(scenario: str) -> list[str]:
-    return spawn(_scenario_worker, 3, scenario, env=WARN_ENV, timeout=120)[0]
+    results = spawn(_scenario_worker, 3, scenario, env=WARN_ENV, timeout=120)
+    assert not any(wrapped for _, wrapped in results)  # Run.close() restored torch's functions
+    return results[0][0]
 
 
 @pytest.mark.slow

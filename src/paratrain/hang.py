@@ -19,6 +19,7 @@ it from a second thread could pair with the wrong ones.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -40,7 +41,7 @@ DEFAULT_WARN_S = 60.0
 def warn_after_s(timeout_s: float | None, environ: Mapping[str, str] | None = None) -> float:
     """Seconds a collective may wait before the diagnosis, from ``PARATRAIN_COLLECTIVE_WARN_S``.
 
-    Default 60 s, ``0`` disables. Capped at half the collective timeout so the
+    Default 60 s, ``0`` disables the report and the recording. Capped at half the collective timeout so the
     diagnosis comes before the timeout ends the job.
     """
     environ = os.environ if environ is None else environ
@@ -122,14 +123,14 @@ def diagnose(snapshots: Sequence[Mapping[str, Any] | None], hosts: Sequence[str]
     ref = snapshots[ref_ranks[0]]
     who = ("rank " if len(ref_ranks) == 1 else "ranks ") + ", ".join(map(str, ref_ranks))
     verb = "is" if len(ref_ranks) == 1 else "are"
-    host = (lambda r: hosts[r] if r < len(hosts) and hosts[r] else "unknown host")
     odd = [r for r, p in enumerate(places) if p != common]
     if not odd:
         if common[0] != "in":  # all in the same phase, no collective: slow, not stuck
             return []
         return [f"paratrain: all {len(places)} ranks are {_where(ref, waited=True)}; none is "
                 "elsewhere: a slow or stuck link or device (or a peer outside this job)"]
-    return [f"paratrain: rank {r} (host {host(r)}) {'' if snapshots[r] is None else 'is '}"
+    host = [h or "unknown host" for h in hosts] + ["unknown host"] * len(places)
+    return [f"paratrain: rank {r} (host {host[r]}) {'' if snapshots[r] is None else 'is '}"
             f"{_where(snapshots[r], waited=True)}; {who} {verb} {_where(ref, waited=False)}"
             for r in odd]
 
@@ -237,24 +238,26 @@ class HangWatchdog:
 class HangMonitor:
     """This rank's recorder and watchdog, as a :class:`~paratrain.Run` holds them.
 
-    The recorder is installed only in a multi-rank job (a single process has no
-    collectives); the watchdog only there and when ``warn_after_s > 0``.
+    Recorder and watchdog run only in a multi-rank job (a single process has no
+    collectives) with ``warn_after_s > 0``; otherwise nothing is installed and
+    :meth:`phase` costs a no-op context manager.
     """
 
     def __init__(self, *, rank: int, world_size: int, hosts: Sequence[str], warn_after_s: float,
                  store_fn: Callable[[], Any] = default_store) -> None:
         self.recorder = CollectiveRecorder()
         self.watchdog: HangWatchdog | None = None
-        if world_size > 1:
+        self.enabled = world_size > 1 and warn_after_s > 0
+        self._off = contextlib.nullcontext()
+        if self.enabled:
             self.recorder.install()
-            if warn_after_s > 0:
-                self.watchdog = HangWatchdog(
-                    recorder=self.recorder, rank=rank, world_size=world_size, hosts=hosts,
-                    store=store_fn(), warn_after_s=warn_after_s).start()
+            self.watchdog = HangWatchdog(
+                recorder=self.recorder, rank=rank, world_size=world_size, hosts=hosts,
+                store=store_fn(), warn_after_s=warn_after_s).start()
 
     def phase(self, name: str) -> Any:
         """Context manager marking the loop phase (``forward``, ``backward``, ``step``)."""
-        return self.recorder.phase_scope(name)
+        return self.recorder.phase_scope(name) if self.enabled else self._off
 
     def close(self) -> None:
         """Stop the watchdog, then restore torch.distributed's functions."""
