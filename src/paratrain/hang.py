@@ -20,7 +20,6 @@ it from a second thread could pair with the wrong ones.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import sys
@@ -171,7 +170,7 @@ class HangWatchdog:
         return self
 
     def close(self) -> None:
-        """Stop the thread (it never blocks for long: store calls have a short timeout)."""
+        """Stop the thread; waits at most a look plus 2 s (a store call cut short is harmless)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.poll_s + 2.0)
@@ -183,8 +182,8 @@ class HangWatchdog:
             print(line, file=out, flush=True)
 
     def _loop(self) -> None:
-        if self.store is not None:
-            self.store.set_timeout(datetime.timedelta(seconds=max(self.poll_s * 4, 2.0)))
+        # The store's timeout is left alone: it is the job's (a PrefixStore forwards it).
+        # add/set/check do not wait for keys; get is called only for keys that exist.
         while not self._stop.wait(self.poll_s):
             try:
                 self.tick()
