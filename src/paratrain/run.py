@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain import checkpoint, faults, health, misuse, signals
+from paratrain import checkpoint, faults, hang, health, misuse, signals
 from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.config import RunConfig
 from paratrain.data import DistributedLoader, ShardedSampler
@@ -87,6 +87,10 @@ class Run:
             self._health = health.HealthMonitor(topology=self.topology,
                                                 every=health.health_every())
             self._health.check_config(self.config)
+            # Records the collectives each rank enters; names the stuck one (paratrain.hang).
+            self._hang = hang.HangMonitor(
+                rank=self.rank, world_size=self.world_size, hosts=self._health.hosts,
+                warn_after_s=hang.warn_after_s(self.config.timeout_s))
         except BaseException:
             self.close()
             raise
@@ -288,7 +292,7 @@ class Run:
         if self.config.accumulate > 1 and count is None:
             loss = loss / self.config.accumulate
         try:
-            with self._guard_peers():
+            with self._guard_peers(), self._hang.phase("backward"):
                 self.strategy.backward(self.precision.scale_loss(loss))
         finally:
             self._count_flops_done()
@@ -310,7 +314,7 @@ class Run:
             return False
         misuse.check_step_has_gradients(backward_called=self._backward_in_group,
                                         models=self.state.models, optimizer=optimizer)
-        with self._guard_peers():
+        with self._guard_peers(), self._hang.phase("step"):
             self._optimizer_step(optimizer)
         return True
 
@@ -408,7 +412,8 @@ class Run:
                 # gradients accumulate locally; the context closes after backward.
                 self._sync_context = contextlib.ExitStack()
                 self._sync_context.enter_context(self.strategy.no_sync(model))
-            with self._guard_peers():  # DDP's forward may communicate (buffers)
+            # DDP's forward may communicate (buffers)
+            with self._guard_peers(), self._hang.phase("forward"):
                 return self.precision.forward(original, *args, **kwargs)
 
         model.forward = forward  # type: ignore[method-assign]
@@ -492,6 +497,8 @@ class Run:
         self._closed = True
         if hasattr(self, "_flop_counter"):
             self._count_flops_done()  # a run that never called backward
+        if hasattr(self, "_hang"):
+            self._hang.close()
         if hasattr(self, "reporter"):
             self.reporter.close()
         if hasattr(self, "state"):
