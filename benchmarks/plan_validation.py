@@ -150,7 +150,7 @@ def calibrate_micro(model, args):
     example = torch.randn(micro, *args.input_shape)
     with torch.no_grad():
         loss = make_loss(model(example), micro, torch.Generator().manual_seed(0))
-    return calibrate(model, example, loss, repeats=5)
+    return calibrate(model, example, loss, repeats=5, device="cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     example = torch.randn(args.batch_size, *args.input_shape)
     with torch.no_grad():
         loss = make_loss(model(example), args.batch_size, torch.Generator().manual_seed(0))
-    base = calibrate(model, example, loss, repeats=5)
+    base = calibrate(model, example, loss, repeats=5, device="cpu")  # the jobs run on CPU
     print(f"calibrated {args.model}: {base.num_parameters:,} parameters, "
           f"{base.compute_time_per_sample * 1e3:.3f} ms/sample on one process, "
           f"backward share {base.backward_fraction:.2f}, {base.num_layers} layers")

@@ -113,7 +113,9 @@ def test_optimizer_step_leaves_parameters_and_is_charged_per_shard():
     assert single.step_time == pytest.approx(4 * 1e-3 + 4e-3)
     assert single.scaling_efficiency == pytest.approx(1.0)
     assert predict("fsdp", pr, hw, batch_size_per_device=4).optimizer_time == pytest.approx(1e-3)
-    assert predict("ps", pr, hw, batch_size_per_device=4).optimizer_time == 0.0
+    # Synchronous ps: the workers wait while the servers step their shards.
+    assert predict("ps", pr, hw, batch_size_per_device=4,
+                   num_servers=2).optimizer_time == pytest.approx(2e-3)
 
 
 # --- interconnects ----------------------------------------------------------------

@@ -204,9 +204,10 @@ def predict(
             "overlap": overlap, "bucket_bytes": bucket_bytes}
     b = batch_size_per_device
     c = _cost(strategy, profile, hardware, b, opts)
-    # Each device steps the optimizer over the state it holds (none on ps workers).
-    opt_div = state_divisors(strategy, c.devices)[2]
-    opt = 0.0 if opt_div == 0 else profile.optimizer_step_time / opt_div
+    # Each device steps the optimizer over the state it holds; a synchronous parameter
+    # server's workers wait while the k servers step their shards.
+    opt_div = num_servers if strategy == "ps" else state_divisors(strategy, c.devices)[2]
+    opt = profile.optimizer_step_time / opt_div
     step = c.compute + c.exposed + c.bubble + opt
     sps = c.batch / step
     # Reference: one device running the same per-device batch (profile already includes recompute).
