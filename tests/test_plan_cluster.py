@@ -16,7 +16,6 @@ from paratrain.plan_links import PRESETS, guess_intra_node, link_preset, resolve
 from paratrain.plan_scaling import format_scaling, parse_node_counts, plan_scaling
 
 
-
 def profile(**kw):
     base = {"num_parameters": 1_000_000, "activation_bytes_per_sample": 1000.0,
             "compute_time_per_sample": 1e-3, "num_layers": 8}
