@@ -1,6 +1,7 @@
 """Cost model behind ``paratrain plan``: step time and memory of each strategy.
 
-Pure arithmetic: no torch, no processes. Communication uses the alpha-beta model
+Pure arithmetic, no processes (:func:`plan` only reads the runtime's strategy registry,
+to mark what cannot run yet). Communication uses the alpha-beta model
 (:mod:`paratrain.plan_comm`), memory the sharding table of :mod:`paratrain.plan_memory`,
 and compute a :class:`ModelProfile` (usually measured by :func:`paratrain.plan.calibrate`).
 Every formula is written out in ``docs/plan.md``. The names of the split-out modules are
