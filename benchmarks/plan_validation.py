@@ -19,6 +19,13 @@ instead, to show what CPU sharing does.
 
     python benchmarks/plan_validation.py                       # full run, a few minutes
     python benchmarks/plan_validation.py --workers 2 --steps 5 --repeats 2 --links loopback,200mbit
+
+``--single-device`` instead compares one device only, where the job runs by default (a
+GPU when visible): the plan's calibrated single-device step (forward, backward and the
+optimizer step, calibrated on that device) against a real ``single`` bench job's.
+
+    python benchmarks/plan_validation.py --single-device --model torchvision.models:resnet18 \
+        --input-shape 3,224,224
 """
 
 from __future__ import annotations
@@ -150,7 +157,50 @@ def calibrate_micro(model, args):
     example = torch.randn(micro, *args.input_shape)
     with torch.no_grad():
         loss = make_loss(model(example), micro, torch.Generator().manual_seed(0))
-    return calibrate(model, example, loss, repeats=5)
+    return calibrate(model, example, loss, repeats=5, device="cpu")
+
+
+def validate_single(args) -> int:
+    """Plan's calibrated single-device step vs a real ``single`` job on the same device."""
+    from paratrain.plan_device import select_device
+
+    device = select_device(None)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the job's process (OMP_NUM_THREADS=1)
+    spec = JobSpec(strategy="single", model=args.model, input_shape=args.input_shape,
+                   batch_size=args.batch_size, warmup_steps=args.warmup, steps=args.steps,
+                   repeats=args.repeats, link_probe_bytes=args.probe_bytes)
+    model = load_factory(args.model)()
+    example = torch.randn(args.batch_size, *args.input_shape)
+    with torch.no_grad():
+        loss = make_loss(model(example), args.batch_size, torch.Generator().manual_seed(0))
+    profile = calibrate(model, example, loss, repeats=5, device=device, optimizer=spec.optimizer)
+    predicted = predict("single", profile, Hardware(), batch_size_per_device=args.batch_size)
+    with tempfile.TemporaryDirectory(prefix="plan-validation-") as tmp:
+        job = Path(args.workdir or tmp) / "single-1"
+        job.mkdir(parents=True, exist_ok=True)
+        spec.write(job / "spec.json")
+        argv = bench_jobs.local_launch_argv(job / "spec.json", job / "out", strategy="single",
+                                            world_size=1)
+        threads = 1 if device.type == "cpu" else None
+        outcome = bench_jobs.run_local(argv, job / "out", env=bench_jobs.job_env(threads=threads),
+                                       timeout=args.timeout)
+    if not outcome.ok:
+        print(f"single: failed, {outcome.reason}")
+        return 1
+    first = outcome.results[0]
+    measured = statistics.median(first["step_s"])
+    error = predicted.step_time / measured - 1
+    print(f"{args.model} on {first['device']} (plan calibrated on {device}), batch "
+          f"{args.batch_size}: measured {measured * 1e3:.3f} ms, predicted "
+          f"{predicted.step_time * 1e3:.3f} ms (compute {predicted.compute_time * 1e3:.3f} + "
+          f"optimizer {predicted.optimizer_time * 1e3:.3f}), error {error:+.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "device": first["device"],
+                                               "measured_s": measured,
+                                               "predicted_s": predicted.step_time,
+                                               "error": error}, indent=2) + "\n")
+    return 0 if abs(error) <= args.tolerance else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--workdir", help="keep each job's spec, per-rank JSON and logs here")
+    p.add_argument("--single-device", action="store_true",
+                   help="compare one device's step only (on a GPU when visible)")
     args = p.parse_args(argv)
     args.input_shape = tuple(int(x) for x in args.input_shape.split(","))
+    if args.single_device:
+        return validate_single(args)
     links = [s.strip() for s in args.links.split(",") if s.strip()]
     for link in links:
         if link != "loopback":
@@ -181,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     example = torch.randn(args.batch_size, *args.input_shape)
     with torch.no_grad():
         loss = make_loss(model(example), args.batch_size, torch.Generator().manual_seed(0))
-    base = calibrate(model, example, loss, repeats=5)
+    base = calibrate(model, example, loss, repeats=5, device="cpu")  # the jobs run on CPU
     print(f"calibrated {args.model}: {base.num_parameters:,} parameters, "
           f"{base.compute_time_per_sample * 1e3:.3f} ms/sample on one process, "
           f"backward share {base.backward_fraction:.2f}, {base.num_layers} layers")

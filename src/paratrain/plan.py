@@ -27,7 +27,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from paratrain.config import PRECISIONS
 from paratrain.plan_calibrate import calibrate, default_model
+from paratrain.plan_device import device_memory, device_name, select_device
+from paratrain.plan_links import PRESETS, LinkPreset, link_preset, resolve_links
 from paratrain.plan_model import (
     DEFAULT_BUCKET_BYTES,
     STRATEGIES,
@@ -48,12 +51,13 @@ from paratrain.plan_model import (
     ring_allreduce_time,
     ring_reduce_scatter_time,
 )
+from paratrain.plan_scaling import format_scaling, parse_node_counts, plan_scaling, scaling_dict
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "STRATEGIES", "Hardware", "ModelProfile", "PlanReport", "Prediction",
-    "allgather_time", "allreduce_time", "calibrate", "default_model", "exposed_comm_time",
-    "format_bytes", "format_seconds", "main", "parse_bandwidth", "parse_duration", "parse_size",
-    "plan", "predict", "ps_comm_time", "reduce_scatter_time", "ring_allgather_time",
+    "DEFAULT_BUCKET_BYTES", "PRESETS", "STRATEGIES", "Hardware", "LinkPreset", "ModelProfile",
+    "PlanReport", "Prediction", "allgather_time", "allreduce_time", "calibrate", "default_model", "exposed_comm_time",
+    "format_bytes", "format_scaling", "format_seconds", "link_preset", "main", "parse_bandwidth", "parse_duration", "parse_size",
+    "plan", "plan_scaling", "predict", "ps_comm_time", "reduce_scatter_time", "ring_allgather_time",
     "ring_allreduce_time", "ring_reduce_scatter_time",
 ]
 
@@ -156,15 +160,26 @@ def _build_parser() -> argparse.ArgumentParser:
                    type=_arg_type(float, lambda v: 0 <= v < float("inf"), "non-negative"),
                    default=8.0, help="optimizer bytes per parameter (default 8: Adam)")
     p.add_argument("--checkpointing", action="store_true", help="assume activation checkpointing")
+    p.add_argument("--device", help="calibrate on cpu, cuda or cuda:N (default: cuda when "
+                   "visible, else cpu)")
+    p.add_argument("--precision", choices=PRECISIONS, default="32",
+                   help="calibrate in this precision (autocast for the mixed ones; default 32)")
     p.add_argument("--devices-per-node", type=_POS_INT, default=4)
-    p.add_argument("--nodes", type=_POS_INT, default=1)
+    p.add_argument("--nodes", type=_arg_type(parse_node_counts), default=(1,),
+                   help="node count, or a list such as 1,2,4,8 for a scaling table (default 1)")
+    preset = _arg_type(lambda t: link_preset(t).name)
+    p.add_argument("--intra-node", type=preset, metavar="LINK",
+                   help=f"link between a node's devices: {', '.join(PRESETS)} (default: "
+                   "guessed from the GPU, else ethernet-10g)")
+    p.add_argument("--inter-node", type=preset, metavar="LINK",
+                   help="network between nodes, e.g. infiniband-ndr (default: see docs/plan.md)")
     bw = _arg_type(parse_bandwidth)
     lat = _arg_type(parse_duration, lambda v: v >= 0, "non-negative")
-    p.add_argument("--bandwidth", type=bw, default=parse_bandwidth("10Gbit"),
-                   help="intra-node bandwidth, e.g. 10Gbit, 25GB (default 10Gbit)")
-    p.add_argument("--inter-node-bandwidth", type=bw, help="default: --bandwidth")
-    p.add_argument("--latency", type=lat, default=50e-6, help="intra-node latency (default 50us)")
-    p.add_argument("--inter-node-latency", type=lat, help="default: --latency")
+    p.add_argument("--bandwidth", type=bw,
+                   help="intra-node bandwidth, e.g. 10Gbit, 25GB (overrides --intra-node)")
+    p.add_argument("--inter-node-bandwidth", type=bw, help="overrides --inter-node")
+    p.add_argument("--latency", type=lat, help="intra-node latency, e.g. 5us (overrides --intra-node)")
+    p.add_argument("--inter-node-latency", type=lat, help="overrides --inter-node")
     p.add_argument("--batch-size", type=_POS_INT, default=32, help="per device (default 32)")
     p.add_argument("--device-memory", type=_arg_type(parse_size, lambda v: v > 0, "positive"),
                    help="e.g. 16GB (default: not checked)")
@@ -206,7 +221,14 @@ def _load_model(spec: str) -> Any:
     return model
 
 
-def _profile(args: argparse.Namespace) -> ModelProfile:
+def _device(args: argparse.Namespace) -> Any:
+    try:
+        return select_device(args.device)
+    except ValueError as exc:
+        raise _UsageError(f"--{exc}") from None
+
+
+def _profile(args: argparse.Namespace, device: Any) -> ModelProfile:
     if args.num_parameters is not None:
         n = args.num_parameters
         profile = ModelProfile(
@@ -226,7 +248,8 @@ def _profile(args: argparse.Namespace) -> ModelProfile:
         model = default_model() if args.model is None else _load_model(args.model)
         example = torch.randn(args.batch_size, *shape)
         try:
-            profile = calibrate(model, example, repeats=args.repeats)
+            profile = calibrate(model, example, repeats=args.repeats, device=device,
+                                precision=args.precision, optimizer=_optimizer(args))
         except Exception as exc:  # shape mismatch and the like
             flag = "--input-shape" if args.model is None else "--model"
             raise _UsageError(f"{flag}: calibration on input {tuple(example.shape)} failed: "
@@ -242,50 +265,78 @@ def _profile(args: argparse.Namespace) -> ModelProfile:
     return replace(profile, **extra)
 
 
-def _describe(report: PlanReport) -> str:
+def _optimizer(args: argparse.Namespace) -> str | None:
+    # The optimizer whose state --optimizer-bytes describes: Adam (8), momentum SGD (4).
+    return {8.0: "adam", 4.0: "sgd"}.get(args.optimizer_bytes)
+
+
+def _describe(report: PlanReport, calibration: str, links: Any, nodes: str) -> str:
     pr, hw = report.profile, report.hardware
     mem = "not checked" if hw.device_memory_bytes is None else format_bytes(hw.device_memory_bytes)
+    opt = (f", optimizer step {format_seconds(pr.optimizer_step_time)}"
+           if pr.optimizer_step_time else "")
     ckpt = ", checkpointing" if pr.activation_checkpointing else ""
     return (f"model:    {pr.num_parameters:,} parameters ({format_bytes(pr.param_size)}), "
             f"{pr.num_layers} layers, {format_seconds(pr.compute_time_per_sample)}/sample "
-            f"fwd+bwd, {format_bytes(pr.activation_bytes_per_sample)} activations/sample{ckpt}\n"
-            f"hardware: {hw.num_nodes} node(s) x {hw.num_devices_per_node} device(s), links "
-            f"{format_bytes(hw.intra_node_bandwidth)}/s + {format_seconds(hw.intra_node_latency)} "
-            f"intra-node, {format_bytes(hw.inter_node_bandwidth)}/s + "
-            f"{format_seconds(hw.inter_node_latency)} inter-node, device memory {mem}\n"
+            f"fwd+bwd{opt}, {format_bytes(pr.activation_bytes_per_sample)} activations/sample"
+            f"{ckpt}\n"
+            f"measured: {calibration}\n"
+            f"hardware: {nodes} node(s) x {hw.num_devices_per_node} device(s), device "
+            f"memory {mem}\n"
+            f"links:    intra-node {format_bytes(hw.intra_node_bandwidth)}/s + "
+            f"{format_seconds(hw.intra_node_latency)} ({links.intra_label}), inter-node "
+            f"{format_bytes(hw.inter_node_bandwidth)}/s + {format_seconds(hw.inter_node_latency)} "
+            f"({links.inter_label}); peak figures\n"
             f"batch:    {report.batch_size_per_device} per device")
 
 
-def _run(args: argparse.Namespace) -> tuple[PlanReport, str]:
+def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad or not strategies:
         raise _UsageError(f"--strategies: unknown {', '.join(bad) or '(empty)'}; "
                           f"choose from {','.join(STRATEGIES)}")
-    inter_latency = args.latency if args.inter_node_latency is None else args.inter_node_latency
-    hardware = Hardware(
-        intra_node_bandwidth=args.bandwidth, intra_node_latency=args.latency,
-        inter_node_bandwidth=args.inter_node_bandwidth or args.bandwidth,
-        inter_node_latency=inter_latency, device_memory_bytes=args.device_memory,
-        num_devices_per_node=args.devices_per_node, num_nodes=args.nodes)
+    device = _device(args)
+    on_gpu = device.type == "cuda"
     try:
-        report = plan(_profile(args), hardware, batch_size_per_device=args.batch_size,
-                      strategies=strategies, num_servers=args.num_servers,
-                      num_microbatches=args.microbatches, overlap=args.overlap)
+        links = resolve_links(
+            intra_node=args.intra_node, inter_node=args.inter_node, bandwidth=args.bandwidth,
+            latency=args.latency, inter_node_bandwidth=args.inter_node_bandwidth,
+            inter_node_latency=args.inter_node_latency,
+            gpu_name=device_name(device) if on_gpu else None)
+    except ValueError as exc:
+        raise _UsageError(f"--{exc}") from None
+    memory = args.device_memory if args.device_memory is not None else device_memory(device)
+    hardware = Hardware(
+        intra_node_bandwidth=links.intra_bandwidth, intra_node_latency=links.intra_latency,
+        inter_node_bandwidth=links.inter_bandwidth, inter_node_latency=links.inter_latency,
+        device_memory_bytes=memory, num_devices_per_node=args.devices_per_node,
+        num_nodes=args.nodes[0])
+    calibration = ("not calibrated (--num-parameters)" if args.num_parameters is not None else
+                   f"{device_name(device) if on_gpu else 'this CPU'} ({device}), precision "
+                   f"{args.precision}")
+    try:
+        reports = plan_scaling(_profile(args, device), hardware, args.nodes,
+                               batch_size_per_device=args.batch_size, strategies=strategies,
+                               num_servers=args.num_servers, num_microbatches=args.microbatches,
+                               overlap=args.overlap)
     except ValueError as exc:
         flag = "--microbatches" if "num_microbatches" in str(exc) else "input"
         raise _UsageError(f"{flag}: {exc}") from None
-    text = (f"{_describe(report)}\n\n{report.format_table()}\n\n"
-            f"recommendation: {report.recommendation}\nreason: {report.reason}")
-    return report, text
+    head = _describe(reports[0], calibration, links, ",".join(map(str, args.nodes)))
+    if len(reports) == 1:
+        report = reports[0]
+        return report.to_dict(), (f"{head}\n\n{report.format_table()}\n\nrecommendation: "
+                                  f"{report.recommendation}\nreason: {report.reason}")
+    return scaling_dict(reports), f"{head}\n\n{format_scaling(reports)}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``paratrain plan``; returns the exit code (2 for bad input)."""
     try:
         args = _build_parser().parse_args(argv)
-        report, text = _run(args)
-        payload = json.dumps(report.to_dict(), indent=2)
+        data, text = _run(args)
+        payload = json.dumps(data, indent=2)
         if args.json == "-":
             print(payload)
             return 0

@@ -1,6 +1,7 @@
 """Cost model behind ``paratrain plan``: step time and memory of each strategy.
 
-Pure arithmetic: no torch, no processes. Communication uses the alpha-beta model
+Pure arithmetic, no processes (:func:`plan` only reads the runtime's strategy registry,
+to mark what cannot run yet). Communication uses the alpha-beta model
 (:mod:`paratrain.plan_comm`), memory the sharding table of :mod:`paratrain.plan_memory`,
 and compute a :class:`ModelProfile` (usually measured by :func:`paratrain.plan.calibrate`).
 Every formula is written out in ``docs/plan.md``. The names of the split-out modules are
@@ -28,7 +29,7 @@ from paratrain.plan_comm import (
     ring_allreduce_time,
     ring_reduce_scatter_time,
 )
-from paratrain.plan_memory import MemoryEstimate, memory_per_device
+from paratrain.plan_memory import MemoryEstimate, memory_per_device, state_divisors
 from paratrain.plan_report import (
     PREFERENCE,
     TIE_MARGIN,
@@ -45,7 +46,7 @@ __all__ = [
     "allgather_bytes", "allgather_time", "allreduce_bytes", "allreduce_time", "ddp_buckets",
     "exposed_comm_time", "format_bytes", "format_seconds", "memory_per_device", "plan",
     "predict", "ps_comm_time", "recommend", "reduce_scatter_time", "ring_allgather_time",
-    "ring_allreduce_time", "ring_reduce_scatter_time",
+    "ring_allreduce_time", "ring_reduce_scatter_time", "runnable_strategies",
 ]
 
 #: Strategies in the order they are reported.
@@ -169,12 +170,27 @@ def _pipeline_cost(pr: ModelProfile, hw: Hardware, b: int, m_opt: int | None,
                  traffic=0.0 if p == 1 else 2 * m * boundary, note=f"m={m}")
 
 
+def runnable_strategies() -> frozenset[str]:
+    """Planner strategies that ``Run(strategy=...)`` accepts: the runtime's registry.
+
+    ZeRO-1/2 are modelled (they sit between DDP and FSDP) but no runtime strategy
+    implements them yet, so :func:`plan` never recommends them.
+    """
+    from paratrain.strategies import available_strategies  # imports torch: only when planning
+
+    return frozenset(STRATEGIES) & frozenset(available_strategies())
+
+
 def predict(
     strategy: str, profile: ModelProfile, hardware: Hardware, *, batch_size_per_device: int,
     num_servers: int = 1, num_microbatches: int | None = None, overlap: float = 1.0,
-    bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES, runnable: frozenset[str] | None = None,
 ) -> Prediction:
-    """Predict one strategy; see :func:`plan` for the arguments."""
+    """Predict one strategy; see :func:`plan` for the arguments.
+
+    ``runnable``: names the runtime implements; a strategy outside it is predicted but
+    marked ``runnable=False`` (None: every strategy counts as runnable).
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategies: unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
     _positive_int("batch_size_per_device", batch_size_per_device)
@@ -189,10 +205,14 @@ def predict(
             "overlap": overlap, "bucket_bytes": bucket_bytes}
     b = batch_size_per_device
     c = _cost(strategy, profile, hardware, b, opts)
-    step = c.compute + c.exposed + c.bubble
+    # Each device steps the optimizer over the state it holds; a synchronous parameter
+    # server's workers wait while the k servers step their shards.
+    opt_div = num_servers if strategy == "ps" else state_divisors(strategy, c.devices)[2]
+    opt = profile.optimizer_step_time / opt_div
+    step = c.compute + c.exposed + c.bubble + opt
     sps = c.batch / step
     # Reference: one device running the same per-device batch (profile already includes recompute).
-    single_sps = 1.0 / profile.step_compute_time_per_sample
+    single_sps = b / (b * profile.step_compute_time_per_sample + profile.optimizer_step_time)
     memory = memory_per_device(strategy, profile, num_devices=c.devices, batch_size_per_device=b)
     mem = memory.total
     limit = hardware.device_memory_bytes
@@ -204,7 +224,8 @@ def predict(
         param_memory=memory.param_memory, grad_memory=memory.grad_memory,
         optimizer_memory=memory.optimizer_memory, activation_memory=memory.activation_memory,
         memory_bytes=mem, fits=None if limit is None else mem <= limit,
-        applicable=c.applicable, note=c.note,
+        applicable=c.applicable, note=c.note, optimizer_time=opt,
+        runnable=runnable is None or strategy in runnable,
     )
 
 
@@ -229,9 +250,11 @@ def plan(
         raise ValueError(f"strategies: unknown {', '.join(map(repr, unknown))} "
                          f"(known: {', '.join(STRATEGIES)})")
     names = list(dict.fromkeys(names))  # drop duplicates, keep order
+    runnable = runnable_strategies()
     preds = [predict(s, profile, hardware, batch_size_per_device=batch_size_per_device,
                      num_servers=num_servers, num_microbatches=num_microbatches,
-                     overlap=overlap, bucket_bytes=bucket_bytes) for s in names]
+                     overlap=overlap, bucket_bytes=bucket_bytes, runnable=runnable)
+             for s in names]
     rec, reason = recommend(preds, hardware.device_memory_bytes)
     settings = {"strategies": names, "num_servers": num_servers,
                 "num_microbatches": num_microbatches, "overlap": overlap,

@@ -64,7 +64,9 @@ class PlanReport:
         rows = [head]
         for p in self.predictions:
             fits = "?" if p.fits is None else ("yes" if p.fits else "NO")
-            rows.append((p.strategy + ("" if p.applicable else " (n/a)"), str(p.num_devices),
+            flag = "" if p.applicable else " (n/a)"
+            flag += "" if p.runnable else " (not runnable yet)"
+            rows.append((p.strategy + flag, str(p.num_devices),
                          format_seconds(p.step_time), f"{p.samples_per_second:,.1f}",
                          f"{p.scaling_efficiency:.0%}", format_seconds(p.exposed_comm_time),
                          format_bytes(p.memory_bytes), fits, p.note))
@@ -80,10 +82,13 @@ class PlanReport:
 
 def recommend(preds: list[Prediction], limit: float | None) -> tuple[str, str]:
     """``(strategy, one-sentence reason)``: the fastest applicable strategy that fits in
-    ``limit`` bytes per device, near-ties going to the simplest (see ``docs/plan.md``)."""
-    usable = [p for p in preds if p.applicable]
+    ``limit`` bytes per device, near-ties going to the simplest (see ``docs/plan.md``).
+    Predictions with ``runnable=False`` are never recommended."""
+    # A strategy the runtime cannot run is shown for comparison but never recommended.
+    usable = [p for p in preds if p.applicable and p.runnable]
     if not usable:
-        return "", "No requested strategy is applicable to this model and hardware."
+        return "", ("No requested strategy is both applicable to this model and hardware "
+                    "and runnable (zero1 and zero2 are not runnable yet).")
     rank = {name: i for i, name in enumerate(PREFERENCE)}
     if limit is not None and not any(p.fits for p in usable):
         best = min(usable, key=lambda p: (p.memory_bytes, rank[p.strategy]))

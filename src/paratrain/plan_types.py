@@ -74,12 +74,16 @@ class ModelProfile:
     """Per child of ``chain``: forward + backward seconds per sample, each child timed
     alone. Only the shares matter: a pipeline stage's time is its children's share of
     ``compute_time_per_sample``. Empty: stages are assumed equal."""
+    optimizer_step_time: float = 0.0
+    """Seconds of one optimizer step over all parameters on one device (once per step,
+    not per sample). Strategies that shard the optimizer state divide it."""
 
     def __post_init__(self) -> None:
         _positive_int("num_parameters", self.num_parameters)
         for name in ("param_bytes", "grad_bytes", "compute_time_per_sample"):
             _number(name, getattr(self, name), positive=True)
-        for name in ("optimizer_bytes_per_param", "activation_bytes_per_sample"):
+        for name in ("optimizer_bytes_per_param", "activation_bytes_per_sample",
+                     "optimizer_step_time"):
             _number(name, getattr(self, name), positive=False)
         _number("backward_fraction", self.backward_fraction, positive=False)
         if self.backward_fraction > 1:
@@ -167,3 +171,5 @@ class Prediction:
     fits: bool | None  # None when the device memory is unknown
     applicable: bool = True
     note: str = ""
+    runnable: bool = True  # False: modelled, but no runtime strategy implements it yet
+    optimizer_time: float = 0.0  # this device's share of the optimizer step
