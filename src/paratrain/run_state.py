@@ -116,7 +116,7 @@ class RunState:
             sharded = path.with_suffix(".dcp")
             strategy.save_sharded_state(str(sharded), self.models, self.optimizers)
             state.update(models=[], optimizers=[], sharded=sharded.name,
-                         num_models=len(self.models))
+                         num_models=len(self.models), optimizer_layout="flat")
             strategy.barrier()
         written = None
         if run.is_main:
@@ -140,8 +140,9 @@ class RunState:
         if state.get("sharded"):
             # Written by a sharded strategy: any strategy, at any world size, reads it.
             try:
-                run.strategy.load_sharded_state(str(Path(path).parent / state["sharded"]),
-                                                self.models, self.optimizers)
+                run.strategy.load_sharded_state(
+                    str(Path(path).parent / state["sharded"]), self.models, self.optimizers,
+                    flat_optimizer=state.get("optimizer_layout") == "flat")
             except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
                 reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
                 raise CheckpointError(

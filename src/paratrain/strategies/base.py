@@ -126,11 +126,17 @@ class Strategy:
         save_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
 
     def load_sharded_state(self, directory: str, models: list[nn.Module],
-                           optimizers: list[torch.optim.Optimizer]) -> None:
-        """Load what :meth:`save_sharded_state` wrote, at any world size (collective)."""
+                           optimizers: list[torch.optim.Optimizer], *,
+                           flat_optimizer: bool = True) -> None:
+        """Load what :meth:`save_sharded_state` wrote, at any world size (collective).
+
+        ``flat_optimizer`` is False for checkpoints whose optimizer state is nested
+        (written before the flat layout).
+        """
         from paratrain.strategies.sharded import load_sharded
 
-        load_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
+        load_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers,
+                     flat=flat_optimizer)
 
     # -- collectives over the data-parallel group ------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import warnings
@@ -66,18 +67,26 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
 
 # -- checkpoints through torch.distributed.checkpoint ------------------------------
 
-def _state(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+def _state(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+           flat: bool = True) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
+    # Flat optimizer state keys every hyperparameter by parameter name
+    # ("param_groups.<fqn>.lr"). The nested layout stores ``param_groups`` as a
+    # list indexed by group, so pipeline stages wrote the same keys with different
+    # parameters and a resumed stage found its groups without hyperparameters.
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
     state: dict[str, Any] = {}
     for index, module in enumerate(modules):
         state[f"model_{index}"] = get_model_state_dict(module)
     for index, optimizer in enumerate(optimizers):
         # Optimizers are registered against the first model (see RunState).
-        state[f"optimizer_{index}"] = get_optimizer_state_dict(modules[0], optimizer)
+        state[f"optimizer_{index}"] = get_optimizer_state_dict(modules[0], optimizer,
+                                                               options=options)
     return state
 
 
@@ -86,29 +95,48 @@ def save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
     """Write every rank's shards of models and optimizers to ``directory`` (collective)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(modules, optimizers), checkpoint_id=str(directory))
+    with _single_process_quiet():
+        dcp.save(_state(modules, optimizers), checkpoint_id=str(directory))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled ... single process" warning, only that one.
+
+    One process saves and loads without a process group on purpose; the strategy's
+    own notice already says it runs unsharded.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable "
+                                r"or uninitialized, assuming the intent is to (save|load) in a "
+                                r"single process")
+        yield
 
 
 def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
-                 optimizers: list[torch.optim.Optimizer]) -> None:
-    """Read ``directory`` into this rank's shards, whatever layout wrote it (collective)."""
+                 optimizers: list[torch.optim.Optimizer], *, flat: bool = True) -> None:
+    """Read ``directory`` into this rank's shards, whatever layout wrote it (collective).
+
+    ``flat`` is False for checkpoints written before optimizer state was flattened.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"sharded checkpoint directory {directory} is missing")
-    state = _state(modules, optimizers)
-    with warnings.catch_warnings():
-        # A single process loads without a process group on purpose.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+    state = _state(modules, optimizers, flat=flat)
+    with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(directory))
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
     for index, module in enumerate(modules):
         set_model_state_dict(module, state[f"model_{index}"])
     for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(modules[0], optimizer, state[f"optimizer_{index}"])
+        set_optimizer_state_dict(modules[0], optimizer, state[f"optimizer_{index}"],
+                                 options=options)
 
 
 # -- evaluation in lockstep ----------------------------------------------------------
