@@ -30,6 +30,7 @@ from torch.utils.data import Dataset
 
 from paratrain import faults, health, signals
 from paratrain.activation_checkpointing import apply_activation_checkpointing
+from paratrain.checkpoint import check_directory as checkpoint_dir_check
 from paratrain.config import RunConfig
 from paratrain.data import DistributedLoader, ShardedSampler
 from paratrain.losses import GlobalCount
@@ -63,6 +64,9 @@ class Run:
         if "timeout_s" not in config and (env_timeout := health.env_timeout_s()) is not None:
             config["timeout_s"] = env_timeout
         self.config = RunConfig(**config)
+        if self.config.checkpoint_dir is not None:
+            # Here, not at the first save an epoch later.
+            checkpoint_dir_check(self.config.checkpoint_dir)
         self.topology = Topology.from_env(environ, accelerator=self.config.accelerator)
         self._closed = False
         self._owns_group = init_process_group(self.topology, timeout_s=self.config.timeout_s)

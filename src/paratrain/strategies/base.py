@@ -109,11 +109,18 @@ class Strategy:
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
+        """Load ``optimizer.state_dict()`` layout; strategies that are not ``replicated``
+        receive it keyed by parameter name instead of index."""
         optimizer.load_state_dict(state)
 
     def checkpoint_module(self, model: nn.Module) -> nn.Module:
         """The module whose (fully-qualified) state a sharded checkpoint stores."""
         return self.unwrap(model)
+
+    @property
+    def partial_model(self) -> bool:
+        """This rank holds only some of the model's parameters (a pipeline stage)."""
+        return False
 
     def save_sharded_state(self, directory: str, models: list[nn.Module],
                            optimizers: list[torch.optim.Optimizer]) -> None:

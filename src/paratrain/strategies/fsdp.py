@@ -23,7 +23,13 @@ from torch import nn
 
 from paratrain.mesh import ParallelDegrees, ParallelMesh
 from paratrain.strategies.base import Strategy
-from paratrain.strategies.sharded import lockstep_batches, parameter_names, rebuild_optimizer
+from paratrain.strategies.sharded import (
+    load_full_model_state,
+    load_full_optimizer_state,
+    lockstep_batches,
+    parameter_names,
+    rebuild_optimizer,
+)
 from paratrain.topology import Topology
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -170,6 +176,14 @@ class FSDPStrategy(Strategy):
             yield from super().evaluation_batches(batches)
             return
         yield from lockstep_batches(batches, device=self.topology.device)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        # A one-file (replicated) checkpoint: full tensors, scattered into this rank's shards.
+        load_full_model_state(model, state, partial=False)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict) -> None:
+        load_full_optimizer_state(model, optimizer, state)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The unsharded model state on every rank (collective), e.g. for export."""

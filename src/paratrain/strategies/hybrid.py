@@ -126,6 +126,17 @@ class HybridStrategy(Strategy):
     def checkpoint_module(self, model: nn.Module) -> nn.Module:
         return self.inner.checkpoint_module(model)
 
+    @property
+    def partial_model(self) -> bool:
+        return self.inner.partial_model
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self.inner.load_model_state_dict(model, state)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict) -> None:
+        self.inner.load_optimizer_state_dict(model, optimizer, state)
+
     def backward(self, loss: torch.Tensor) -> None:
         self.inner.backward(loss)
 

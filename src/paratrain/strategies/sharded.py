@@ -139,6 +139,42 @@ def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
                                  options=options)
 
 
+def saved_shapes(directory: str | os.PathLike, index: int) -> dict[str, tuple[int, ...]]:
+    """``name -> shape`` of model ``index`` in a DCP checkpoint (read from its metadata only)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = f"model_{index}."
+    metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {key[len(prefix):]: tuple(item.size) for key, item in metadata.items()
+            if key.startswith(prefix) and hasattr(item, "size")}
+
+
+def load_full_model_state(module: nn.Module, state: dict[str, torch.Tensor], *,
+                          partial: bool) -> None:
+    """Load an unsharded ``state`` (a one-file checkpoint) into this rank's shards or stage.
+
+    ``partial``: the module is one pipeline stage; the other stages' entries are skipped.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if partial:
+        own = module.state_dict()
+        state = {k: v for k, v in state.items() if k in own}
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+    """Load an unsharded optimizer state keyed by parameter name into this rank's optimizer."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    set_optimizer_state_dict(module, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
 # -- evaluation in lockstep ----------------------------------------------------------
 
 _END = object()
