@@ -24,7 +24,7 @@ import paratrain
 from paratrain.testing.reference import synthetic_classification
 from paratrain.testing.spawn import spawn
 
-GLOBAL_BATCH, NUM_SAMPLES, EPOCHS, STOP_AT = 8, 32, 2, 3  # 4 steps per epoch
+GLOBAL_BATCH, NUM_SAMPLES, EPOCHS, STOP_AT = 8, 24, 2, 2  # 3 steps per epoch
 HYBRID_PP = {"pipeline_degree": 2, "pipeline": {"num_microbatches": 2}}
 # name -> (strategy, options, data-parallel size at 2 ranks)
 CASES = {
@@ -105,28 +105,36 @@ def _init_group(world_size: int) -> None:
 OPTIMIZERS = ("adamw", "sgd")
 
 
-def same_strategy_worker(rank, world_size, case, directory):
-    _init_group(world_size)
-    results = {}
+def resume_mismatches(case: str, directory: str) -> list[str]:
+    """Uninterrupted vs stopped-and-resumed, per optimizer: what differs on this rank."""
+    found = []
     for kind in OPTIMIZERS:
         full = train(case, kind)
-        train(case, kind, checkpoint_dir=f"{directory}/{kind}", stop_at=STOP_AT)
-        results[kind] = full, train(case, kind, checkpoint_dir=f"{directory}/{kind}")
-    return results
+        train(case, kind, checkpoint_dir=f"{directory}/{case}-{kind}", stop_at=STOP_AT)
+        resumed = train(case, kind, checkpoint_dir=f"{directory}/{case}-{kind}")
+        different = sorted(k for k in full.keys() | resumed.keys()
+                           if k not in full or k not in resumed
+                           or not torch.equal(full[k], resumed[k]))
+        if different:
+            found.append(f"{case} ({kind}): {different[:3]}")
+    return found
+
+
+def same_strategy_worker(rank, world_size, directory):
+    # One job for every two-rank case: process start-up dominates these tiny runs.
+    _init_group(world_size)
+    return [m for case in CASES if case != "single" for m in resume_mismatches(case, directory)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_resume_is_bitwise_equal_to_uninterrupted(tmp_path, case):
-    if case == "single":
-        per_rank = [same_strategy_worker(0, 1, case, str(tmp_path))]
-    else:
-        per_rank = spawn(same_strategy_worker, 2, case, str(tmp_path), timeout=240)
-    for rank, results in enumerate(per_rank):
-        for kind, (full, resumed) in results.items():
-            assert full.keys() == resumed.keys()
-            for name, expected in full.items():
-                assert torch.equal(resumed[name], expected), f"{kind}, rank {rank}: {name} differs"
+def test_single_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
+    assert resume_mismatches("single", str(tmp_path)) == []
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_equal_to_uninterrupted_for_every_strategy(tmp_path):
+    """Each rank's parameters (shard or stage) after resuming equal the uninterrupted run's."""
+    assert spawn(same_strategy_worker, 2, str(tmp_path), timeout=420) == [[], []]
 
 
 # Pairs documented to load (docs/strategies.md, "Sharded checkpoints"), and one-file into sharded.

@@ -113,7 +113,8 @@ def safe_load(path: str | os.PathLike) -> dict[str, Any]:
             f"containers ({_refusal_reason(exc)}); only load files you trust with other tools"
         ) from None
     except Exception as exc:  # noqa: BLE001 - torch raises many types for damaged files
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        # torch's first sentence says what failed; the rest is advice about its internals.
+        reason = " ".join(str(exc).split()).split(". ")[0].rstrip(".") or type(exc).__name__
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated "
                                 f"({type(exc).__name__}: {reason})") from None
     if not isinstance(state, dict) or state.get("format") != "paratrain":
