@@ -92,35 +92,99 @@ def test_rng_state_roundtrip_through_a_checkpoint(tmp_path):
     assert blob.dtype == torch.uint8 and blob.numel() == checkpoint.rng_state().numel()
 
 
-def test_a_text_file_named_like_a_checkpoint_is_reported_as_damaged_not_as_unsafe(tmp_path):
-    path = tmp_path / checkpoint.checkpoint_name(3)
-    path.write_text("hello, this is not a checkpoint\n")
-    with pytest.raises(checkpoint.UnreadableCheckpoint, match="not a torch.save archive"):
+# -- files that are not checkpoints, and what the messages say ------------------------
+
+def test_text_file_named_like_a_checkpoint_is_not_called_unsafe(tmp_path):
+    path = tmp_path / "step-000000004.pt"
+    path.write_text("hello, these are notes\n")
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="is not a torch checkpoint") as info:
         checkpoint.safe_load(path)
+    assert "other than tensors" not in str(info.value)
 
 
-def test_long_torch_messages_are_cut_at_a_sentence():
-    exc = RuntimeError("First sentence. " + "word " * 100)
-    assert checkpoint.first_sentence(exc, limit=60) == "First sentence."
+def test_refusal_keeps_torchs_reason_whole(tmp_path):
+    path = tmp_path / "step-000000003.pt"
+    torch.save({"format": "paratrain", "payload": Exploit()}, path)
+    with pytest.raises(CheckpointError, match="was refused") as info:
+        checkpoint.safe_load(path)
+    message = str(info.value)
+    assert message.endswith("(Trying to load unsupported GLOBAL posix.system whose module posix "
+                            "is blocked); only load files you trust with other tools")
+    assert "Weights only load failed" not in message and "\n" not in message
 
 
-def test_describe_mismatch_names_the_first_key_and_shape():
-    model = {"a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(4), "c": torch.zeros(1)}
-    found = {"a.weight": torch.zeros(2, 5), "b.weight": torch.zeros(4), "d": torch.zeros(1),
-             "e": torch.zeros(1)}
-    text = checkpoint.describe_mismatch(model, found)
-    assert "missing key 'c'" in text
-    assert "unexpected key 'd' and 1 more" in text
-    assert "shape of 'a.weight' is (2, 5) in the checkpoint, (2, 3) in the model" in text
-    assert checkpoint.describe_mismatch(model, model) == ""
+def test_describe_mismatch_names_first_key_and_shape():
+    model = {"0.weight": (16, 10), "0.bias": (16,), "2.weight": (3, 16)}
+    saved = {"0.weight": (16, 12), "0.bias": (16,), "4.weight": (3, 16), "4.bias": (3,)}
+    assert checkpoint.describe_mismatch(model, saved) == (
+        "missing key '2.weight'; unexpected key '4.weight' (and 1 more); "
+        "shape of '0.weight' is [16, 12] in the checkpoint but [16, 10] in the model")
+    assert checkpoint.describe_mismatch(model, {**model, "4.bias": (3,)}, partial=True) is None
 
 
-def test_checkpoint_dir_that_is_a_file_or_unwritable_fails_at_once(tmp_path):
-    a_file = tmp_path / "file"
-    a_file.write_text("x")
-    with pytest.raises(ValueError, match="checkpoint_dir .* is a file, not a directory"):
-        checkpoint.check_writable(a_file)
-    with pytest.raises(ValueError, match="checkpoint_dir .* cannot be written"):
-        checkpoint.check_writable(a_file / "below")
-    checkpoint.check_writable(tmp_path / "new" / "dir")
-    assert (tmp_path / "new" / "dir").is_dir()
+# -- through a Run (one process) ---------------------------------------------------------
+
+def train_run(directory, *, strategy="single", steps=2, width=16, every=1, save_at_end=False):
+    import torch.nn.functional as F
+    from torch import nn
+
+    import paratrain
+    from paratrain.testing.reference import synthetic_classification
+
+    with paratrain.Run(strategy=strategy, accelerator="cpu", progress=False, seed=5,
+                       checkpoint_dir=str(directory), checkpoint_every=every,
+                       keep_checkpoints=3) as run:
+        model = nn.Sequential(nn.Linear(10, width), nn.ReLU(), nn.Linear(width, 3))
+        model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01))
+        loader = run.loader(synthetic_classification(16), batch_size=8)
+        for _ in run.epochs(1):
+            for step, (x, y) in enumerate(loader):
+                if step == steps:
+                    break
+                run.backward(F.cross_entropy(model(x), y))
+                run.step(optimizer)
+        if save_at_end:
+            run.save()
+        return run.global_step
+
+
+def test_checkpoint_dir_that_is_a_file_fails_at_construction(tmp_path):
+    import paratrain
+
+    target = tmp_path / "ckpt"
+    target.write_text("")
+    with pytest.raises(ValueError, match=r"^checkpoint_dir='.*ckpt' is a file, not a directory"):
+        paratrain.Run(accelerator="cpu", checkpoint_dir=str(target))
+    with pytest.raises(ValueError, match=r"^checkpoint_dir='.*ckpt/sub' cannot be written \("):
+        paratrain.Run(accelerator="cpu", checkpoint_dir=str(target / "sub"))
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
+    assert train_run(tmp_path) == 2
+    newest = tmp_path / "step-000000002.pt"
+    newest.write_bytes(newest.read_bytes()[:100])
+    assert train_run(tmp_path, steps=0) == 1
+    out = capsys.readouterr().out
+    assert (f"paratrain: warning: checkpoint {newest} is corrupt or truncated" in out
+            and f"resuming from the previous checkpoint {tmp_path / 'step-000000001.pt'} instead"
+            in out)
+
+
+def test_checkpoint_of_another_model_names_the_shape(tmp_path):
+    train_run(tmp_path, steps=1)
+    with pytest.raises(CheckpointError, match=r"shape of '0.weight' is \[16, 10\] in the "
+                                              r"checkpoint but \[8, 10\] in the model"):
+        train_run(tmp_path, steps=0, width=8)
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_saving_a_saved_step_again_is_a_no_op_without_warnings(tmp_path, strategy):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train_run(tmp_path, strategy=strategy, steps=2, every=2, save_at_end=True) == 2
+        assert train_run(tmp_path, strategy=strategy, steps=2, every=1) == 2  # resumes, loads
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "existing checkpoint" in m or "is disabled" in m], messages
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000000002.pt"]

@@ -14,8 +14,6 @@ import pickle
 import random
 import re
 import tempfile
-import zipfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +22,14 @@ import torch
 
 _NAME = re.compile(r"^step-(\d{9,})\.pt$")
 FORMAT_VERSION = 1
-_PICKLE_PROTO = b"\x80"  # first byte of every pickle of protocol 2 or later
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the file and the reason."""
 
 
-class UnreadableCheckpoint(CheckpointError):
-    """The file itself is damaged (corrupt, truncated, not a checkpoint): nothing was loaded."""
+class CorruptCheckpoint(CheckpointError):
+    """The file itself is damaged or not a checkpoint (an older one may still be usable)."""
 
 
 def checkpoint_name(global_step: int) -> str:
@@ -78,85 +75,93 @@ def atomic_save(state: dict[str, Any], path: str | os.PathLike) -> Path:
     return path
 
 
+# torch.save writes a zip archive; the legacy format is a pickle (protocol >= 2).
+_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _refusal_reason(exc: Exception) -> str:
+    """What torch's weights-only loader refused, without its boilerplate around it."""
+    paragraphs = [p for p in re.split(r"\n\s*\n", str(exc)) if p.strip()]
+    middle = [p for p in paragraphs if not p.startswith(("Weights only load failed",
+                                                         "Check the documentation"))]
+    reason = " ".join(" ".join(middle).split()).split("WeightsUnpickler error:")[-1].strip()
+    return reason.rstrip(".") or type(exc).__name__
+
+
 def safe_load(path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint without executing code from it; CheckpointError if unusable."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     with open(path, "rb") as f:
-        head = f.read(1)
-    if not zipfile.is_zipfile(path) and head != _PICKLE_PROTO:
-        # torch.save writes a zip archive (or, in its legacy format, a pickle); anything
-        # else would reach the unpickler and be misreported as "objects other than tensors".
-        size = path.stat().st_size
-        raise UnreadableCheckpoint(
-            f"checkpoint {path} is corrupt or truncated: not a torch.save archive "
-            f"({size} bytes); delete it to resume from an earlier checkpoint"
+        head = f.read(4)
+    if not head:
+        raise CorruptCheckpoint(f"checkpoint {path} is empty (truncated)")
+    if not head.startswith(_MAGIC):
+        raise CorruptCheckpoint(
+            f"checkpoint {path} is not a torch checkpoint (it starts with {head!r}); "
+            "move it out of the checkpoint directory"
         )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if not str(exc).startswith("Weights only load failed"):
+            raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated: "
+                                    f"{_refusal_reason(exc)}") from None
         raise CheckpointError(
             f"checkpoint {path} was refused: it contains objects other than tensors and plain "
-            f"containers ({first_sentence(exc)}); only load files you trust with other tools"
+            f"containers ({_refusal_reason(exc)}); only load files you trust with other tools"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        raise UnreadableCheckpoint(
-            f"checkpoint {path} is corrupt or truncated: {first_sentence(exc)}"
-        ) from None
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for damaged files
+        # torch's first sentence says what failed; the rest is advice about its internals.
+        reason = " ".join(str(exc).split()).split(". ")[0].rstrip(".") or type(exc).__name__
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt or truncated "
+                                f"({type(exc).__name__}: {reason})") from None
     if not isinstance(state, dict) or state.get("format") != "paratrain":
         raise CheckpointError(f"checkpoint {path} was not written by paratrain")
     return state
 
 
-def first_sentence(exc: BaseException, limit: int = 300) -> str:
-    """The first line of an exception's message, ended at a sentence, never mid-word."""
-    text = str(exc).strip()
-    line = text.splitlines()[0] if text else type(exc).__name__
-    if len(line) <= limit:
-        return line
-    cut = line.rfind(". ", 0, limit)
-    return line[: cut + 1] if cut > 0 else line[: line.rfind(" ", 0, limit)] + " ..."
+def describe_mismatch(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]],
+                      *, partial: bool = False) -> str | None:
+    """What differs between a model's ``name -> shape`` and a checkpoint's; None if they fit.
 
-
-def describe_mismatch(expected: Mapping[str, Any], found: Mapping[str, Any]) -> str:
-    """What differs between two state dicts: first missing and unexpected key, first shape.
-
-    ``expected`` is what the model holds, ``found`` what the checkpoint holds; values are
-    tensors (or anything with ``.shape``). Returns "" when names and shapes agree.
+    ``partial``: the model holds only part of what was saved (a pipeline stage),
+    so names only in the checkpoint are expected.
     """
-    parts = []
+    problems = []
     missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    if missing:
-        parts.append(f"missing key {missing[0]!r}" + (f" and {len(missing) - 1} more"
-                                                       if len(missing) > 1 else ""))
-    if unexpected:
-        parts.append(f"unexpected key {unexpected[0]!r}" + (f" and {len(unexpected) - 1} more"
-                                                             if len(unexpected) > 1 else ""))
-    for key, value in expected.items():
-        shape, other = getattr(value, "shape", None), getattr(found.get(key), "shape", None)
-        if shape is not None and other is not None and tuple(shape) != tuple(other):
-            parts.append(f"shape of {key!r} is {tuple(other)} in the checkpoint, "
-                         f"{tuple(shape)} in the model")
+    unexpected = [] if partial else [k for k in found if k not in expected]
+    for label, keys in (("missing key", missing), ("unexpected key", unexpected)):
+        if keys:
+            more = f" (and {len(keys) - 1} more)" if len(keys) > 1 else ""
+            problems.append(f"{label} {keys[0]!r}{more}")
+    for key, shape in expected.items():
+        if key in found and tuple(found[key]) != tuple(shape):
+            problems.append(f"shape of {key!r} is {list(found[key])} in the checkpoint "
+                            f"but {list(shape)} in the model")
             break
-    return "; ".join(parts)
+    return "; ".join(problems) or None
 
 
-def check_writable(directory: str | os.PathLike) -> None:
-    """ValueError in one line unless ``directory`` is (or can become) a writable directory."""
+def check_directory(directory: str | os.PathLike) -> None:
+    """Fail now, in one line, if checkpoints cannot be written to ``directory``.
+
+    Creates the directory (as the first save would) and writes a probe file,
+    because permission bits do not tell (root ignores them; read-only mounts).
+    """
     path = Path(directory)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"checkpoint_dir {str(path)!r} is a file, not a directory; "
-                         "pass a directory path (it is created when missing)")
+        raise ValueError(f"checkpoint_dir={str(directory)!r} is a file, not a directory; "
+                         "pass a directory path (it is created if missing)")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        fd, probe = tempfile.mkstemp(prefix=".paratrain-write-test.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ValueError(f"checkpoint_dir {str(path)!r} cannot be written ({reason}); "
-                         "choose a directory this user can write") from None
+        raise ValueError(f"checkpoint_dir={str(directory)!r} cannot be written "
+                         f"({exc.strerror or exc}); pass a writable directory") from None
 
 
 def prune(directory: str | os.PathLike, keep: int) -> None:

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain import checkpoint, faults, hang, health, misuse, signals
+from paratrain import faults, hang, health, misuse, signals
 from paratrain.activation_checkpointing import apply_activation_checkpointing
+from paratrain.checkpoint import check_directory as checkpoint_dir_check
 from paratrain.config import RunConfig
 from paratrain.data import DistributedLoader, ShardedSampler
 from paratrain.flops import FirstStepFlops, Throughput, device_peak_flops
@@ -65,8 +66,8 @@ class Run:
             config["timeout_s"] = env_timeout
         self.config = RunConfig(**config)
         if self.config.checkpoint_dir is not None:
-            # Now, not at the first save an epoch later.
-            checkpoint.check_writable(self.config.checkpoint_dir)
+            # Here, not at the first save an epoch later.
+            checkpoint_dir_check(self.config.checkpoint_dir)
         self.topology = Topology.from_env(environ, accelerator=self.config.accelerator)
         self._closed = False
         self._owns_group = init_process_group(self.topology, timeout_s=self.config.timeout_s)

@@ -30,7 +30,7 @@ class RunState:
         self.epoch = 0
         self._resume_cursor: DataCursor | None = None
         self._resume_checked = False
-        self._last_saved: tuple[str, int] | None = None
+        self._saved: Path | None = None  # the checkpoint of the current step, once written
 
     def register(self, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
         self.models.append(model)
@@ -60,7 +60,12 @@ class RunState:
         return offset
 
     def maybe_resume(self) -> None:
-        """Resume once from the newest checkpoint in ``checkpoint_dir``, if there is one."""
+        """Resume once from the newest usable checkpoint in ``checkpoint_dir``, if there is one.
+
+        A damaged newest file (killed storage, truncated copy) falls back to the
+        previous kept checkpoint with a warning naming both; any other problem
+        (another model, another optimizer) is raised, since older files share it.
+        """
         if self._resume_checked:
             return
         self._resume_checked = True
@@ -70,12 +75,11 @@ class RunState:
             path = candidates[index]
             try:
                 self.load(path)
-            except checkpoint.UnreadableCheckpoint as exc:
+            except checkpoint.CorruptCheckpoint as exc:
                 if index == 0:
                     raise
-                # Reading the file failed before anything was restored: an older one is safe.
-                self._run.print(f"paratrain: warning: {exc}; resuming from "
-                                f"{candidates[index - 1]} instead")
+                self._run.print(f"paratrain: warning: {exc}; resuming from the previous "
+                                f"checkpoint {candidates[index - 1]} instead")
                 continue
             self._run.print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
             return
@@ -100,12 +104,11 @@ class RunState:
         directory = directory or run.config.checkpoint_dir
         if directory is None:
             raise ValueError("save() needs a directory (or Run(checkpoint_dir=...))")
-        path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
-        if self._last_saved == (str(directory), self.global_step):
-            # Already saved at this step (checkpoint_every and an end-of-epoch save):
-            # every rank sees the same history, so all skip the collective together.
-            return str(path) if run.is_main else None
         strategy = run.strategy
+        path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
+        if self._saved is not None and path.resolve() == self._saved:
+            # checkpoint_every and an explicit save() at the same step: written once.
+            return str(path) if run.is_main else None
         cursor = self._cursor()
         state = {
             "format": "paratrain",
@@ -125,13 +128,16 @@ class RunState:
             state["optimizers"] = [
                 strategy.optimizer_state_dict(self.models[0], o) for o in self.optimizers
             ]
+            # Parameter names in optimizer order, so that a sharded strategy can load it.
+            state["optimizer_params"] = [_optimizer_names(strategy.unwrap(self.models[0]), o)
+                                         for o in self.optimizers]
         else:
             # Every rank writes its own shards (torch.distributed.checkpoint) next to the
             # small file, which rank 0 writes last: its presence marks a complete checkpoint.
             sharded = path.with_suffix(".dcp")
             strategy.save_sharded_state(str(sharded), self.models, self.optimizers)
             state.update(models=[], optimizers=[], sharded=sharded.name,
-                         num_models=len(self.models))
+                         num_models=len(self.models), optimizer_layout="flat")
             strategy.barrier()
         written = None
         if run.is_main:
@@ -140,7 +146,7 @@ class RunState:
             _prune_sharded(Path(directory))
         # Nobody continues (and may be killed) before the file is complete.
         strategy.barrier()
-        self._last_saved = (str(directory), self.global_step)
+        self._saved = path.resolve()
         return written
 
     # -- load ---------------------------------------------------------------------------
@@ -154,38 +160,24 @@ class RunState:
                 f"{len(self.models)} were prepared; call run.prepare() before loading"
             )
         if state.get("sharded"):
-            # Written by a sharded strategy: any strategy, at any world size, reads it.
-            try:
-                run.strategy.load_sharded_state(str(Path(path).parent / state["sharded"]),
-                                                self.models, self.optimizers)
-            except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
-                raise CheckpointError(
-                    f"sharded checkpoint {path} does not match the model or optimizer "
-                    f"({type(exc).__name__}: {checkpoint.first_sentence(exc)})"
-                ) from None
-        if state["models"] and not run.strategy.reads_full_state:
-            raise CheckpointError(
-                f"checkpoint {path} was written by '{state.get('strategy')}' in the one-file "
-                f"format, which strategy '{run.strategy.name}' cannot read; resume it with "
-                "single, ddp or fsdp (a checkpoint saved from those under fsdp loads anywhere)"
-            )
-        for model, model_state in zip(self.models, state["models"]):
+            self._load_sharded(path, state)
+        for index, (model, model_state) in enumerate(zip(self.models, state["models"])):
+            self._check_model(path, index, {k: tuple(v.shape) for k, v in model_state.items()})
             try:
                 run.strategy.load_model_state_dict(model, model_state)
             except (RuntimeError, KeyError, ValueError) as exc:
-                detail = checkpoint.describe_mismatch(
-                    run.strategy.model_state_dict(model), model_state)
-                raise CheckpointError(
-                    f"checkpoint {path} does not match the model: "
-                    f"{detail or checkpoint.first_sentence(exc)}"
-                ) from None
-        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
+                raise CheckpointError(f"checkpoint {path} does not match the model "
+                                      f"({_reason(exc)})") from None
+        for index, (optimizer, optimizer_state) in enumerate(
+                zip(self.optimizers, state["optimizers"])):
+            if not run.strategy.replicated:
+                optimizer_state = _by_name(path, optimizer_state,
+                                           state.get("optimizer_params", [None])[index])
             try:
                 run.strategy.load_optimizer_state_dict(self.models[0], optimizer, optimizer_state)
             except (RuntimeError, KeyError, ValueError) as exc:
-                raise CheckpointError(
-                    f"checkpoint {path} does not match the optimizer: {exc}"
-                ) from None
+                raise CheckpointError(f"checkpoint {path} does not match the optimizer "
+                                      f"({_reason(exc)})") from None
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
         run.precision.load_state_dict(state["precision"])
@@ -201,6 +193,61 @@ class RunState:
 
             seed_everything(run.config.seed + 1 + run.rank + 7919 * self.global_step)
         self._resume_checked = True
+        self._saved = Path(path).resolve()
+
+    def _check_model(self, path: str | os.PathLike, index: int,
+                     found: dict[str, tuple[int, ...]]) -> None:
+        """CheckpointError naming the first missing/unexpected key and shape mismatch."""
+        strategy = self._run.strategy
+        expected = {k: tuple(v.shape) for k, v in
+                    strategy.checkpoint_module(self.models[index]).state_dict().items()}
+        problem = checkpoint.describe_mismatch(expected, found, partial=strategy.partial_model)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} does not match the model: {problem}")
+
+    def _load_sharded(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+        # Written by a sharded strategy: any strategy, at any world size, reads it.
+        from paratrain.strategies.sharded import saved_shapes
+
+        directory = Path(path).parent / state["sharded"]
+        if not directory.is_dir():
+            raise CheckpointError(f"checkpoint {path} needs its shard directory {directory}, "
+                                  "which is missing; copy both together")
+        for index in range(len(self.models)):
+            self._check_model(path, index, saved_shapes(directory, index))
+        try:
+            self._run.strategy.load_sharded_state(
+                str(directory), self.models, self.optimizers,
+                flat_optimizer=state.get("optimizer_layout") == "flat")
+        except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
+            raise CheckpointError(f"sharded checkpoint {path} does not match the optimizer "
+                                  f"({type(exc).__name__}: {_reason(exc)})") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The whole message of ``exc`` on one line (torch's spans several)."""
+    return " ".join(str(exc).split())[:400] or type(exc).__name__
+
+
+def _optimizer_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str] | None:
+    """Names of ``optimizer``'s parameters in its state-dict order (None if not all in ``module``)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    groups = getattr(optimizer, "param_groups", None) or []
+    order = [names.get(id(p)) for group in groups for p in group["params"]]
+    return None if not order or None in order else order
+
+
+def _by_name(path: str | os.PathLike, state: dict[str, Any], names: list[str] | None) -> dict:
+    """A one-file optimizer state (keyed by index) keyed by parameter name instead."""
+    if names is None:
+        raise CheckpointError(
+            f"checkpoint {path} does not record its optimizer's parameter names (written by an "
+            "older paratrain), so a sharded strategy cannot place the optimizer state; "
+            "resume it with strategy 'ddp' or 'single' and save again"
+        )
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                             for g in state["param_groups"]]}
 
 
 def _prune_sharded(directory: Path) -> None:

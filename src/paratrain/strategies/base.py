@@ -37,9 +37,6 @@ class Strategy:
     Options: ClassVar[type] = NoOptions
     replicated: ClassVar[bool] = True
     """Every data-parallel rank holds the full model: rank 0 alone writes checkpoints."""
-    reads_full_state: ClassVar[bool] = True
-    """A one-file checkpoint (full tensors, written by a replicated strategy) loads; a
-    pipeline stage cannot map one onto its layers."""
     timeout_s: float = 300.0
     """Seconds to wait for a peer before failing; the Run sets it from ``RunConfig.timeout_s``."""
 
@@ -112,11 +109,18 @@ class Strategy:
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
+        """Load ``optimizer.state_dict()`` layout; strategies that are not ``replicated``
+        receive it keyed by parameter name instead of index."""
         optimizer.load_state_dict(state)
 
     def checkpoint_module(self, model: nn.Module) -> nn.Module:
         """The module whose (fully-qualified) state a sharded checkpoint stores."""
         return self.unwrap(model)
+
+    @property
+    def partial_model(self) -> bool:
+        """This rank holds only some of the model's parameters (a pipeline stage)."""
+        return False
 
     def save_sharded_state(self, directory: str, models: list[nn.Module],
                            optimizers: list[torch.optim.Optimizer]) -> None:
@@ -129,11 +133,17 @@ class Strategy:
         save_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
 
     def load_sharded_state(self, directory: str, models: list[nn.Module],
-                           optimizers: list[torch.optim.Optimizer]) -> None:
-        """Load what :meth:`save_sharded_state` wrote, at any world size (collective)."""
+                           optimizers: list[torch.optim.Optimizer], *,
+                           flat_optimizer: bool = True) -> None:
+        """Load what :meth:`save_sharded_state` wrote, at any world size (collective).
+
+        ``flat_optimizer`` is False for checkpoints whose optimizer state is nested
+        (written before the flat layout).
+        """
         from paratrain.strategies.sharded import load_sharded
 
-        load_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
+        load_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers,
+                     flat=flat_optimizer)
 
     # -- collectives over the data-parallel group ------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

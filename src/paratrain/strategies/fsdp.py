@@ -177,16 +177,12 @@ class FSDPStrategy(Strategy):
             return
         yield from lockstep_batches(batches, device=self.topology.device)
 
-    # A one-file checkpoint (single/ddp) holds full tensors: shard them on load.
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        if not self.active:
-            return super().load_model_state_dict(model, state)
-        load_full_model_state(model, state)
+        # A one-file (replicated) checkpoint: full tensors, scattered into this rank's shards.
+        load_full_model_state(model, state, partial=False)
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict) -> None:
-        if not self.active:
-            return super().load_optimizer_state_dict(model, optimizer, state)
         load_full_optimizer_state(model, optimizer, state)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -92,7 +92,6 @@ class HybridStrategy(Strategy):
         self.inner = inner
         self.degrees = degrees
         self.replicated = inner.replicated  # type: ignore[misc]
-        self.reads_full_state = inner.reads_full_state  # type: ignore[misc]
 
     def notice(self) -> str | None:
         d = self.degrees
@@ -126,6 +125,10 @@ class HybridStrategy(Strategy):
 
     def checkpoint_module(self, model: nn.Module) -> nn.Module:
         return self.inner.checkpoint_module(model)
+
+    @property
+    def partial_model(self) -> bool:
+        return self.inner.partial_model
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         self.inner.load_model_state_dict(model, state)

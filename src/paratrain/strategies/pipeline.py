@@ -33,7 +33,12 @@ from paratrain.mesh import ParallelDegrees, ParallelMesh
 from paratrain.partition import balanced_split
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.pipeline_module import PipelineModule
-from paratrain.strategies.sharded import parameter_names, rebuild_optimizer
+from paratrain.strategies.sharded import (
+    load_full_model_state,
+    load_full_optimizer_state,
+    parameter_names,
+    rebuild_optimizer,
+)
 from paratrain.topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -104,7 +109,6 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     Options = PipelineOptions
     replicated = False
-    reads_full_state = False
 
     def __init__(self, topology: Topology, options: Any = None, *,
                  degrees: ParallelDegrees | None = None) -> None:
@@ -175,6 +179,18 @@ class PipelineStrategy(Strategy):
 
     def checkpoint_module(self, model: nn.Module) -> nn.Module:
         return model.stage_module if isinstance(model, PipelineModule) else model
+
+    @property
+    def partial_model(self) -> bool:
+        return self.active
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        # A one-file (replicated) checkpoint holds every stage: take this stage's entries.
+        load_full_model_state(self.checkpoint_module(model), state, partial=self.active)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict) -> None:
+        load_full_optimizer_state(self.checkpoint_module(model), optimizer, state)
 
     # -- step -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import warnings
@@ -66,18 +67,26 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
 
 # -- checkpoints through torch.distributed.checkpoint ------------------------------
 
-def _state(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+def _state(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+           flat: bool = True) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
+    # Flat optimizer state keys every hyperparameter by parameter name
+    # ("param_groups.<fqn>.lr"). The nested layout stores ``param_groups`` as a
+    # list indexed by group, so pipeline stages wrote the same keys with different
+    # parameters and a resumed stage found its groups without hyperparameters.
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
     state: dict[str, Any] = {}
     for index, module in enumerate(modules):
         state[f"model_{index}"] = get_model_state_dict(module)
     for index, optimizer in enumerate(optimizers):
         # Optimizers are registered against the first model (see RunState).
-        state[f"optimizer_{index}"] = get_optimizer_state_dict(modules[0], optimizer)
+        state[f"optimizer_{index}"] = get_optimizer_state_dict(modules[0], optimizer,
+                                                               options=options)
     return state
 
 
@@ -86,92 +95,83 @@ def save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
     """Write every rank's shards of models and optimizers to ``directory`` (collective)."""
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        # A single process saves without a process group on purpose (its notice says so).
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
+    with _single_process_quiet():
         dcp.save(_state(modules, optimizers), checkpoint_id=str(directory))
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled ... single process" warning, only that one.
+
+    One process saves and loads without a process group on purpose; the strategy's
+    own notice already says it runs unsharded.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable "
+                                r"or uninitialized, assuming the intent is to (save|load) in a "
+                                r"single process")
+        yield
+
+
 def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
-                 optimizers: list[torch.optim.Optimizer]) -> None:
-    """Read ``directory`` into this rank's shards, whatever layout wrote it (collective)."""
+                 optimizers: list[torch.optim.Optimizer], *, flat: bool = True) -> None:
+    """Read ``directory`` into this rank's shards, whatever layout wrote it (collective).
+
+    ``flat`` is False for checkpoints written before optimizer state was flattened.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"sharded checkpoint directory {directory} is missing")
-    state = _state(modules, optimizers)
-    own_groups = {key: [list(group["params"]) for group in value["param_groups"]]
-                  for key, value in state.items() if key.startswith("optimizer_")}
-    with warnings.catch_warnings():
-        # A single process loads without a process group on purpose.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+    state = _state(modules, optimizers, flat=flat)
+    with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(directory))
-    for key, groups in own_groups.items():
-        _adopt_own_parameter_names(state[key], groups, directory)
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
     for index, module in enumerate(modules):
         set_model_state_dict(module, state[f"model_{index}"])
     for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(modules[0], optimizer, state[f"optimizer_{index}"])
+        set_optimizer_state_dict(modules[0], optimizer, state[f"optimizer_{index}"],
+                                 options=options)
 
 
-def _adopt_own_parameter_names(optimizer_state: dict[str, Any], own_groups: list[list[str]],
-                               directory: str | os.PathLike) -> None:
-    """Give each loaded param group this rank's parameter names, keeping its hyperparameters.
+def saved_shapes(directory: str | os.PathLike, index: int) -> dict[str, tuple[int, ...]]:
+    """``name -> shape`` of model ``index`` in a DCP checkpoint (read from its metadata only)."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    DCP stores non-tensor entries once, from one rank: every rank reads back the
-    ``param_groups`` of the rank that wrote them, whose name lists cover only *that*
-    rank's parameters (a pipeline stage, say). Groups line up by index on every rank
-    (``rebuild_optimizer`` keeps empty groups), so the hyperparameters are shared and
-    only the names are this rank's own; without this, a group of another stage's names
-    leaves this rank's parameters in a group without ``lr``/``betas``/``momentum``.
+    prefix = f"model_{index}."
+    metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {key[len(prefix):]: tuple(item.size) for key, item in metadata.items()
+            if key.startswith(prefix) and hasattr(item, "size")}
+
+
+def load_full_model_state(module: nn.Module, state: dict[str, torch.Tensor], *,
+                          partial: bool) -> None:
+    """Load an unsharded ``state`` (a one-file checkpoint) into this rank's shards or stage.
+
+    ``partial``: the module is one pipeline stage; the other stages' entries are skipped.
     """
-    loaded = optimizer_state["param_groups"]
-    if len(loaded) != len(own_groups):
-        raise ValueError(
-            f"checkpoint {directory} has {len(loaded)} optimizer param group(s) but this "
-            f"optimizer has {len(own_groups)}; build the optimizer with the same groups"
-        )
-    optimizer_state["param_groups"] = [
-        {**group, "params": names} for group, names in zip(loaded, own_groups)
-    ]
-
-
-def load_full_model_state(module: nn.Module, state: dict[str, Any]) -> None:
-    """Load a one-file (unsharded) model state into a sharded ``module`` on every rank."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    if partial:
+        own = module.state_dict()
+        state = {k: v for k, v in state.items() if k in own}
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
                               state: dict[str, Any]) -> None:
-    """Load ``optimizer.state_dict()`` of a replicated run into ``module``'s shards.
-
-    The one-file format numbers parameters 0..n-1 in param-group order; the rebuilt
-    optimizer keeps the groups and their order, so index i is the i-th parameter here.
-    """
+    """Load an unsharded optimizer state keyed by parameter name into this rank's optimizer."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_optimizer_state_dict,
     )
 
-    names = {id(p): name for name, p in module.named_parameters()}
-    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    loaded = [index for group in state["param_groups"] for index in group["params"]]
-    if len(loaded) != len(ordered):
-        raise ValueError(f"the checkpoint's optimizer holds {len(loaded)} parameters, "
-                         f"this one {len(ordered)}")
-    by_index = dict(zip(loaded, ordered))
-    converted = {
-        "state": {by_index[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**group, "params": [by_index[i] for i in group["params"]]}
-                         for group in state["param_groups"]],
-    }
-    set_optimizer_state_dict(module, optimizer, converted,
+    set_optimizer_state_dict(module, optimizer, state,
                              options=StateDictOptions(full_state_dict=True))
 
 
