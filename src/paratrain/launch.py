@@ -10,12 +10,17 @@ among the local processes instead of oversubscribing them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import psutil
+
+from paratrain import launch_report, signals, waits
 from paratrain.reporting import cpu_threads_per_process
 
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
@@ -177,12 +182,16 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     return [*argv, args.script]
 
 
-def wait_for_master(host: str, port: int, timeout_s: float) -> None:
+def wait_for_master(host: str, port: int, timeout_s: float, *,
+                    interval_s: float = waits.DEFAULT_INTERVAL_S, node_rank: int = 1) -> None:
     """Return once ``host:port`` accepts a TCP connection; LaunchError after ``timeout_s``.
 
-    Node 0 may start later than the others, so a refused connection is retried.
+    Node 0 may start later than the others, so a refused connection is retried;
+    one line says so at the first refusal and every ``interval_s`` after it.
     """
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
+    next_notice = started
     while True:
         left = deadline - time.monotonic()
         try:
@@ -190,12 +199,19 @@ def wait_for_master(host: str, port: int, timeout_s: float) -> None:
                 return
         except OSError as exc:
             reason = exc.strerror or type(exc).__name__
-        if time.monotonic() + 0.5 >= deadline:
+        now = time.monotonic()
+        if now + 0.5 >= deadline:
             raise LaunchError(
                 f"master {host}:{port} is unreachable after {timeout_s:g} s ({reason}); start "
                 "node 0 first, or check --master-addr/--master-port and the firewall "
                 "(--join-timeout sets the wait)"
             )
+        if now >= next_notice:
+            print(f"paratrain launch: node {node_rank} is waiting for the master {host}:{port} "
+                  f"(node 0) to start ({now - started:.0f} s so far, {reason}; fails in "
+                  f"{deadline - now:.0f} s; --join-timeout sets the wait)",
+                  file=sys.stderr, flush=True)
+            next_notice += interval_s
         time.sleep(0.5)
 
 
@@ -213,14 +229,55 @@ def _local_process_count(nproc: str) -> int:
     return os.cpu_count() or 1
 
 
+def _launched_children() -> bool:
+    """True once the agent has started worker processes (the rendezvous is over)."""
+    try:
+        return bool(psutil.Process().children())
+    except psutil.Error:
+        return False
+
+
+def _rendezvous_notice(args: argparse.Namespace, high: int) -> Callable[[float], str]:
+    if args.rdzv_backend == "static":
+        who = f"node {args.node_rank} is waiting"
+        where = f"{args.master_addr}:{args.master_port or 29500}"
+    else:
+        who, where = "this node is waiting", args.rdzv_endpoint
+    missing = (f"the other {high - 1} node(s)" if args.rdzv_backend == "static"
+               and args.node_rank == 0 else "all nodes")
+
+    def line(elapsed: float) -> str:
+        return (f"paratrain launch: {who} for {missing} of --nnodes {args.nnodes} to join at "
+                f"{where} ({elapsed:.0f} s so far, fails in "
+                f"{max(0.0, args.join_timeout - elapsed):.0f} s; --join-timeout sets the wait)")
+
+    return line
+
+
+def _stop_line(signum: int) -> str:
+    if signum == signal.SIGINT:
+        return "interrupted; workers were stopped"
+    return f"stopped by {signal.Signals(signum).name}; workers were stopped"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``paratrain launch``; returns the process exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before torch's agent handles SIGINT itself
+        print(f"paratrain launch: {_stop_line(signal.SIGINT)}", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         validate(args)
+        interval = waits.report_interval()
         if (args.rdzv_backend == "static" and not args.standalone and args.node_rank > 0):
-            wait_for_master(args.master_addr, args.master_port or 29500, args.join_timeout)
-    except LaunchError as exc:
+            wait_for_master(args.master_addr, args.master_port or 29500, args.join_timeout,
+                            interval_s=interval, node_rank=args.node_rank)
+    except (LaunchError, ValueError) as exc:
         print(f"paratrain launch: {exc}", file=sys.stderr)
         return 2
     # Restarted workers otherwise may reuse the agent's store address of a dead
@@ -233,43 +290,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ps_servers is not None:
         os.environ["PARATRAIN_PS_SERVERS"] = str(args.ps_servers)
 
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     torch_args = get_args_parser().parse_args(torchrun_argv(args))
     # Set directly: parsing them would let torchrun match the script's flags as its own.
     torch_args.training_script_args = script_args(args)
+    if not args.no_python:
+        # Workers run the script through paratrain's runner (clean exit, one report).
+        os.environ[signals.ENV_LAUNCHED] = "1"
+        torch_args.training_script_args = [
+            "--module" if args.module else "--script", args.script,
+            *torch_args.training_script_args]
+        torch_args.training_script, torch_args.module = "paratrain.launch_worker", True
+    launch_report.quiet_agent_logs()
+    high = _parse_nnodes(args.nnodes)[1]
+    notice = waits.reporting(_rendezvous_notice(args, high), interval_s=interval,
+                             done=_launched_children) if high > 1 else contextlib.nullcontext()
     try:
-        run(torch_args)
+        with notice:
+            run(torch_args)
     except ChildFailedError as exc:
-        print(f"paratrain launch: {describe_failure(exc)}", file=sys.stderr)
+        stack, line = launch_report.describe_failure(exc)
+        if stack:
+            print(stack, file=sys.stderr)
+        print(f"paratrain launch: {line}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("paratrain launch: interrupted; workers were stopped", file=sys.stderr)
-        return 130
+    except SignalException as exc:
+        # The agent has already forwarded the signal to the workers and waited for them.
+        print(f"paratrain launch: {_stop_line(exc.sigval)}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except (DistStoreError, RendezvousError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"paratrain launch: the {high} nodes of --nnodes {args.nnodes} did not all join "
+              f"within {args.join_timeout:g} s ({detail[:200]}); start every node with the "
+              "same --nnodes, --master-addr and --master-port (or --rdzv-endpoint), or check "
+              "the network (--join-timeout sets the wait)", file=sys.stderr)
+        return 1
     return 0
-
-
-def describe_failure(exc: BaseException) -> str:
-    """One line naming the first failed rank and how it died."""
-    failures = getattr(exc, "failures", {}) or {}
-    if not failures:
-        return f"job failed: {exc}"
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
-    how = f"exit code {failure.exitcode}"
-    if failure.exitcode < 0:
-        how = f"signal {failure.signal_name()}"
-    more = f" ({len(failures) - 1} other worker(s) also failed)" if len(failures) > 1 else ""
-    # The worker's own one-line error, if it recorded one in torchrun's error file.
-    said = ""
-    message, stack = failure.message, ""
-    if isinstance(message, dict):  # torchrun's error-file format
-        stack = message.get("extraInfo", {}).get("py_callstack", "")
-        message = message.get("message", "")
-    if failure.error_file and os.path.isfile(failure.error_file) and message:
-        said = f": {str(message).strip().splitlines()[0][:300]}"
-    # paratrain's one-line errors record no traceback (the stack is the message itself).
-    where = said if said and stack.strip() == str(message).strip() else (
-        f"{said}; its traceback is above")
-    return (f"worker rank {rank} (local rank {failure.local_rank}) failed first with {how}"
-            f"{more}{where}")
