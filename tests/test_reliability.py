@@ -154,12 +154,59 @@ def test_port_in_use():
     assert_one_line_failure(out, f"port {port} on 127.0.0.1 is in use")
 
 
+WAIT_REPORT = {"PARATRAIN_WAIT_REPORT_S": "1"}
+
+
 def test_unreachable_master():
     # Loopback only: a port nobody listens on stands for a master that is not there.
     out = run(launch("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                     "--master-port", str(free_port()), "--join-timeout", "3", TRAIN))
+                     "--master-port", str(free_port()), "--join-timeout", "3", TRAIN),
+              WAIT_REPORT)
     assert_one_line_failure(out, "master 127.0.0.1:")
     assert "unreachable after 3 s" in out.lines[-1]
+    notices = out.lines[:-1]
+    assert len(notices) >= 2, out.stderr  # one at the start, then one a second
+    assert all(n.startswith("paratrain launch: node 1 is waiting for the master 127.0.0.1:")
+               and "--join-timeout sets the wait" in n for n in notices), out.stderr
+
+
+def test_peers_that_never_join_node_0():
+    out = run(launch("--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port()),
+                     "--join-timeout", "3", TRAIN), WAIT_REPORT)
+    assert_one_line_failure(out, "the 2 nodes of --nnodes 2 did not all join within 3 s")
+    assert "--join-timeout sets the wait" in out.lines[-1]
+    notices = out.lines[:-1]
+    assert notices and all(n.startswith("paratrain launch: node 0 is waiting for the other 1 "
+                                        "node(s) of --nnodes 2 to join at 127.0.0.1:")
+                           for n in notices), out.stderr
+
+
+@pytest.mark.slow
+def test_rank_stuck_before_init():
+    # Rank 1 sleeps before Run(): rank 0 waits in init_process_group, saying so.
+    out = run(launch("--nproc-per-node", "2", str(SCRIPTS / "late_rank.py")),
+              {**WAIT_REPORT, "PARATRAIN_TIMEOUT_S": "4"})
+    assert_one_line_failure(out, "rank 0: the process group did not form within 4 s",
+                            levels=2)
+    assert "PARATRAIN_TIMEOUT_S sets the wait" in out.lines[-1]
+    notices = [n for n in out.lines if "waiting for the other 1 rank(s) to join" in n]
+    assert notices and notices[0].startswith("paratrain: rank 0: waiting for"), out.stderr
+
+
+@pytest.mark.slow
+def test_peer_lost_during_prepare():
+    # Without the launcher, whose agent would stop rank 0 as soon as rank 1 dies.
+    port = str(free_port())
+    script = [sys.executable, str(SCRIPTS / "lose_peer_in_prepare.py")]
+    started = time.monotonic()
+    procs = [start(script, {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": port}) for r in (0, 1)]
+    survivor, killed = [finish(proc, tag, started) for proc, tag in procs]
+    assert killed.returncode == -9
+    assert_one_line_failure(survivor, "rank 0: a collective failed (", levels=1)
+    assert "lost rank 1 (host 127.0.0.1)" in survivor.lines[-1]
+    assert len(survivor.lines) == 1, survivor.stderr
 
 
 # -- the training script refuses (single process, no launcher) -------------------------

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import psutil
 
-from paratrain import launch_report, signals, waits
+from paratrain import launch_report, launch_worker, signals, waits
 from paratrain.reporting import cpu_threads_per_process
 
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
@@ -305,7 +305,8 @@ def _main(argv: Sequence[str] | None) -> int:
         torch_args.training_script_args = [
             "--module" if args.module else "--script", args.script,
             *torch_args.training_script_args]
-        torch_args.training_script, torch_args.module = "paratrain.launch_worker", True
+        torch_args.training_script = launch_worker.__file__
+        torch_args.module = False
     launch_report.quiet_agent_logs()
     high = _parse_nnodes(args.nnodes)[1]
     notice = waits.reporting(_rendezvous_notice(args, high), interval_s=interval,
