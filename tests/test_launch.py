@@ -111,7 +111,8 @@ def test_kill_and_resume_mid_epoch_is_bitwise_identical(tmp_path):
     env = {**os.environ, "PARATRAIN_KILL_AT_STEP": "10", "PARATRAIN_KILL_RANK": "1"}
     killed, _ = tiny(tmp_path, "killed", *args, env=env)
     assert killed.returncode != 0
-    assert "worker rank 1 (local rank 1) was killed by SIGKILL (no traceback)" in killed.stderr
+    assert "worker rank 1 (local rank 1) failed first with signal SIGKILL" in killed.stderr
+    assert "the process was killed and left no traceback" in killed.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000004.pt", "step-000000008.pt"]
     resumed, resumed_out = tiny(tmp_path, "resumed", *args)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -141,9 +142,9 @@ def test_failure_summary_names_the_signal_and_the_first_error(tmp_path):
 
     killed = SimpleNamespace(failures={1: failure(1, -signal.SIGABRT, 100),
                                        0: failure(0, -signal.SIGTERM, 100)})
-    assert describe_failure(killed) == ("", "worker rank 1 (local rank 1) was killed by SIGABRT "
-                                            "(no traceback) (1 other worker(s) also failed or "
-                                            "were stopped)")
+    assert describe_failure(killed) == ("", "worker rank 1 (local rank 1) failed first with "
+                                            "signal SIGABRT (1 other worker(s) also failed): "
+                                            "the process was killed and left no traceback")
     # Both errors carry the same whole second: the sub-second time decides.
     errors = SimpleNamespace(failures={0: failure(0, 1, 100, "ValueError: late", 100.7),
                                        1: failure(1, 1, 100, "ValueError: early", 100.2)})
@@ -171,11 +172,13 @@ def test_abort_is_named_without_a_traceback():
                      "SIGABRT")
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("paratrain launch: worker rank 1 (local rank 1) was killed by "
-                           "SIGABRT (no traceback)"), result.stderr
+    assert last.startswith("paratrain launch: worker rank 1 (local rank 1) failed first with "
+                           "signal SIGABRT"), result.stderr
+    assert last.endswith("the process was killed and left no traceback"), result.stderr
     assert "traceback is above" not in result.stderr
 
 
+@pytest.mark.slow
 def test_group_left_to_interpreter_exit_is_released_first():
     # A cycle holding the process group (DDP's reducer) is collected and the group
     # destroyed before interpreter shutdown, where tearing gloo down could abort.
@@ -220,6 +223,26 @@ def test_sigterm_without_checkpoints_ends_with_one_line(tmp_path):
     code, _, err = interrupt(tmp_path, signal.SIGTERM)
     assert code == 143, err
     assert err.strip().splitlines() == ["paratrain launch: stopped by SIGTERM; workers were stopped"]
+
+
+def test_agent_log_lines_that_the_summary_repeats_are_dropped():
+    import logging
+
+    from paratrain.launch_report import quiet_agent_logs
+
+    logger = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    quiet_agent_logs()
+    quiet_agent_logs()  # idempotent
+    try:
+        def passes(msg):
+            return logger.filter(logging.LogRecord(logger.name, logging.WARNING, "", 0, msg,
+                                                   None, None))
+
+        assert not passes("Received %s death signal, shutting down workers")
+        assert passes("[%s] Worker group FAILED. %s/%s attempts left; will restart worker group")
+        assert len(logger.filters) == 1
+    finally:
+        logger.filters.clear()
 
 
 def test_closing_the_reporter_ends_its_progress_bar():

@@ -1,10 +1,19 @@
 """``paratrain launch``: torchrun's command line on top of ``torch.distributed.run``.
 
 The flags are torchrun's; the processes are started, watched and restarted by
-torchrun's elastic agent. What paratrain adds is checks that fail fast with one
-line (script missing, port in use, bad node rank, ...), a free port when a
-single-node job does not name one, and CPU thread defaults that split the cores
-among the local processes instead of oversubscribing them.
+torchrun's elastic agent. What paratrain adds:
+
+* checks that fail fast with one line (script missing, port in use, bad node
+  rank, ...), a free port when a single-node job does not name one, and CPU
+  thread defaults that split the cores among the local processes;
+* a line when a wait lasts (the master, the other nodes; every
+  ``PARATRAIN_WAIT_REPORT_S``, default 30 s) and one line when it times out;
+* one report when the job ends badly: the first failed rank's traceback once
+  and a line naming it (:mod:`paratrain.launch_report`); Ctrl-C and SIGTERM
+  end with one line and exit code 130 / 143 (torch's agent forwards the signal
+  to the workers, which checkpoint when they have a checkpoint directory);
+* workers run through :mod:`paratrain.launch_worker`, which releases a process
+  group left to interpreter exit.
 """
 
 from __future__ import annotations
@@ -299,9 +308,13 @@ def _main(argv: Sequence[str] | None) -> int:
     torch_args = get_args_parser().parse_args(torchrun_argv(args))
     # Set directly: parsing them would let torchrun match the script's flags as its own.
     torch_args.training_script_args = script_args(args)
-    if not args.no_python:
-        # Workers run the script through paratrain's runner (clean exit, one report).
+    # Workers leave their errors to the launcher's report, except when the job may
+    # restart: then the error of an attempt that was retried would not be seen at all.
+    quiet_workers = not args.no_python and args.max_restarts == 0
+    if quiet_workers:
         os.environ[signals.ENV_LAUNCHED] = "1"
+    if not args.no_python:
+        # Workers run the script through paratrain's runner (clean exit, see launch_worker).
         torch_args.training_script_args = [
             "--module" if args.module else "--script", args.script,
             *torch_args.training_script_args]
@@ -316,7 +329,7 @@ def _main(argv: Sequence[str] | None) -> int:
             run(torch_args)
     except ChildFailedError as exc:
         stack, line = launch_report.describe_failure(exc)
-        if stack:
+        if stack and quiet_workers:
             print(stack, file=sys.stderr)
         print(f"paratrain launch: {line}", file=sys.stderr)
         return 1

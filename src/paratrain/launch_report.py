@@ -13,18 +13,27 @@ import os
 import signal
 from typing import Any
 
-# torch's agent logs every stop and failure as well ("Sending process N closing
-# signal SIGTERM", "failed (exitcode: 1) local_rank: ..."): the launcher's line says it.
+# torch's agent also logs each stop and failure ("Received SIGINT death signal, shutting
+# down workers", "Sending process N closing signal SIGTERM", "failed (exitcode: 1)
+# local_rank: ..."): the launcher's own line says it. Restarts and the rest still show.
 _AGENT_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",
                   "torch.distributed.elastic.agent.server.api")
+_SAID_BY_LAUNCHER = ("Received %s death signal", "Sending process %s closing signal",
+                     "failed (exitcode: %s)")
+
+
+def _not_said_by_launcher(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_SAID_BY_LAUNCHER)
 
 
 def quiet_agent_logs() -> None:
-    """Keep torch's agent log to errors worth reading, unless ``LOGLEVEL`` asks for more."""
+    """Drop the agent's log lines that the launcher's summary repeats (unless ``LOGLEVEL``)."""
     if os.environ.get("LOGLEVEL"):
         return
     for name in _AGENT_LOGGERS:
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+        logger = logging.getLogger(name)
+        if _not_said_by_launcher not in logger.filters:
+            logger.addFilter(_not_said_by_launcher)
 
 
 def _error_data(failure: Any) -> tuple[str, str, float | None]:
@@ -69,11 +78,12 @@ def describe_failure(exc: BaseException) -> tuple[str, str]:
         return "", f"job failed: {exc}"
     rank, failure = found
     others = len(getattr(exc, "failures", {})) - 1
-    more = f" ({others} other worker(s) also failed or were stopped)" if others else ""
+    more = f" ({others} other worker(s) also failed)" if others else ""
     who = f"worker rank {rank} (local rank {failure.local_rank})"
     if failure.exitcode < 0:
         # SIGKILL (out of memory, kill -9) and SIGABRT (a C++ abort) leave no Python traceback.
-        return "", f"{who} was killed by {failure.signal_name()} (no traceback){more}"
+        return "", (f"{who} failed first with signal {failure.signal_name()}{more}: the process "
+                    "was killed and left no traceback")
     message, stack, _ = _error_data(failure)
     line = f"{who} failed first with exit code {failure.exitcode}{more}"
     if not message:
