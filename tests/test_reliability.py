@@ -333,18 +333,37 @@ def test_config_fingerprint_ignores_object_addresses_and_local_paths():
     assert [n for n, a, b in zip(names, base, changed) if a != b] == ["seed"]
 
 
-def test_sigterm_becomes_a_stop_request_and_the_handler_is_restored():
+@pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_stop_signal_becomes_a_stop_request_and_the_handler_is_restored(signum, code):
     import signal as signals_module
 
     from paratrain.signals import GracefulStop
 
-    before = signals_module.getsignal(signals_module.SIGTERM)
+    signum = getattr(signals_module, signum)
+    before = signals_module.getsignal(signum)
     stop = GracefulStop(group=None, enabled=True)
     try:
         assert stop.installed and not stop.should_stop()
-        os.kill(os.getpid(), signals_module.SIGTERM)  # would end pytest without the handler
+        os.kill(os.getpid(), signum)  # would end pytest without the handler
         time.sleep(0.1)
         assert stop.should_stop()
+        assert stop.signal == signum and stop.exit_code == code
     finally:
         stop.close()
-    assert signals_module.getsignal(signals_module.SIGTERM) == before
+    assert signals_module.getsignal(signum) == before
+
+
+def test_wait_notices_come_at_the_interval(capsys):
+    from paratrain import waits
+
+    with pytest.raises(ValueError, match="PARATRAIN_WAIT_REPORT_S='0' must be a number"):
+        waits.report_interval({"PARATRAIN_WAIT_REPORT_S": "0"})
+    assert waits.report_interval({}) == 30.0
+    with waits.reporting(lambda s: f"waited {s:.1f}", interval_s=0.3, first_after_s=0.1):
+        time.sleep(0.85)
+    lines = capsys.readouterr().err.splitlines()
+    assert 2 <= len(lines) <= 4 and all(line.startswith("waited ") for line in lines), lines
+    with waits.reporting(lambda s: "never", interval_s=0.1, first_after_s=0.1,
+                         done=lambda: True):
+        time.sleep(0.7)
+    assert capsys.readouterr().err == ""
