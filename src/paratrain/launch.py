@@ -299,7 +299,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.ps_servers is not None:
         os.environ["PARATRAIN_PS_SERVERS"] = str(args.ps_servers)
 
-    from torch.distributed import DistStoreError
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -337,7 +337,7 @@ def _main(argv: Sequence[str] | None) -> int:
         # The agent has already forwarded the signal to the workers and waited for them.
         print(f"paratrain launch: {_stop_line(exc.sigval)}", file=sys.stderr)
         return 128 + int(exc.sigval)
-    except (DistStoreError, RendezvousError) as exc:
+    except (DistStoreError, DistNetworkError, RendezvousError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"paratrain launch: the {high} nodes of --nnodes {args.nnodes} did not all join "
               f"within {args.join_timeout:g} s ({detail[:200]}); start every node with the "

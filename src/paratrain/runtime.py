@@ -59,7 +59,7 @@ def init_process_group(topology: Topology, *, timeout_s: float) -> bool:
                 timeout=datetime.timedelta(seconds=timeout_s),
                 **kwargs,
             )
-        except dist.DistStoreError as exc:
+        except (dist.DistStoreError, dist.DistNetworkError) as exc:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise RuntimeError(
                 f"rank {topology.rank}: the process group did not form within {timeout_s:g} s "
