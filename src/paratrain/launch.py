@@ -289,9 +289,12 @@ def _main(argv: Sequence[str] | None) -> int:
     except (LaunchError, ValueError) as exc:
         print(f"paratrain launch: {exc}", file=sys.stderr)
         return 2
-    # Restarted workers otherwise may reuse the agent's store address of a dead
-    # attempt and fail to rendezvous (pytorch/pytorch#135712).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if args.max_restarts > 0:
+        # Restarted workers otherwise may reuse the agent's store address of a dead
+        # attempt and fail to rendezvous (pytorch/pytorch#135712). Without restarts the
+        # workers keep torchrun's default (the agent's store): with a store of their
+        # own, rank 0 hosted it and sometimes aborted at interpreter exit.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Without this, every process would start one thread per core and they would
     # fight over the same cores.
     threads = cpu_threads_per_process(_local_process_count(str(args.nproc_per_node)))
