@@ -292,8 +292,8 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.max_restarts > 0:
         # Restarted workers otherwise may reuse the agent's store address of a dead
         # attempt and fail to rendezvous (pytorch/pytorch#135712). Without restarts the
-        # workers keep torchrun's default (the agent's store): with a store of their
-        # own, rank 0 hosted it and sometimes aborted at interpreter exit.
+        # workers keep torchrun's default, the agent's store: with their own, rank 0
+        # hosts it, and rank 0 still aborted at exit now and then (docs/reliability.md).
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Without this, every process would start one thread per core and they would
     # fight over the same cores.
