@@ -1,10 +1,13 @@
 """The launcher: fail-fast checks (pure), then real jobs through torch.distributed.run."""
 
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,8 +103,6 @@ def tiny(tmp_path, name, *extra, env=None):
 
 @pytest.mark.slow
 def test_kill_and_resume_mid_epoch_is_bitwise_identical(tmp_path):
-    import os
-
     full, full_out = tiny(tmp_path, "full")
     assert full.returncode == 0, full.stderr[-2000:]
     ckpt = tmp_path / "ckpt"
@@ -110,7 +111,8 @@ def test_kill_and_resume_mid_epoch_is_bitwise_identical(tmp_path):
     env = {**os.environ, "PARATRAIN_KILL_AT_STEP": "10", "PARATRAIN_KILL_RANK": "1"}
     killed, _ = tiny(tmp_path, "killed", *args, env=env)
     assert killed.returncode != 0
-    assert "failed first with signal SIGKILL" in killed.stderr
+    assert "worker rank 1 (local rank 1) failed first with signal SIGKILL" in killed.stderr
+    assert "the process was killed and left no traceback" in killed.stderr
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000004.pt", "step-000000008.pt"]
     resumed, resumed_out = tiny(tmp_path, "resumed", *args)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -118,3 +120,138 @@ def test_kill_and_resume_mid_epoch_is_bitwise_identical(tmp_path):
     expected, got = torch.load(full_out), torch.load(resumed_out)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+# -- how a job ends: signals, failures, interpreter exit ---------------------------------
+
+def test_failure_summary_names_the_signal_and_the_first_error(tmp_path):
+    from paratrain.launch_report import describe_failure
+
+    def failure(rank, exitcode, timestamp, message=None, when=None):
+        error_file = ""
+        if message is not None:
+            error_file = tmp_path / f"error-{rank}.json"
+            error_file.write_text("{}")
+            extra = {"py_callstack": f"Traceback ...\n{message}", "timestamp": str(timestamp)}
+            if when is not None:
+                extra["paratrain_time"] = repr(when)
+            message = {"message": message, "extraInfo": extra}
+        return SimpleNamespace(local_rank=rank, exitcode=exitcode, timestamp=timestamp,
+                               error_file=str(error_file), message=message or "",
+                               signal_name=lambda: signal.Signals(-exitcode).name)
+
+    killed = SimpleNamespace(failures={1: failure(1, -signal.SIGABRT, 100),
+                                       0: failure(0, -signal.SIGTERM, 100)})
+    assert describe_failure(killed) == ("", "worker rank 1 (local rank 1) failed first with "
+                                            "signal SIGABRT (1 other worker(s) also failed): "
+                                            "the process was killed and left no traceback")
+    # Both errors carry the same whole second: the sub-second time decides.
+    errors = SimpleNamespace(failures={0: failure(0, 1, 100, "ValueError: late", 100.7),
+                                       1: failure(1, 1, 100, "ValueError: early", 100.2)})
+    stack, line = describe_failure(errors)
+    assert stack == "Traceback ...\nValueError: early"
+    assert line.startswith("worker rank 1 (local rank 1) failed first with exit code 1")
+    assert line.endswith(": ValueError: early")
+
+
+@pytest.mark.slow
+def test_worker_error_is_printed_once_from_the_first_failed_rank():
+    result = run_cli("launch", "--nproc-per-node", "2", str(SCRIPTS / "fail_ranks.py"), "error")
+    assert result.returncode == 1
+    assert result.stderr.count("Traceback (most recent call last)") == 1, result.stderr
+    assert result.stderr.count("ValueError: bad input on rank") == 2, result.stderr  # + summary
+    assert "bad input on rank 0" not in result.stderr, result.stderr
+    assert "runpy" not in result.stderr and "launch_worker" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "paratrain launch: worker rank 1 (local rank 1) failed first with exit code 1")
+
+
+@pytest.mark.slow
+def test_abort_is_named_without_a_traceback():
+    result = run_cli("launch", "--nproc-per-node", "2", str(SCRIPTS / "fail_ranks.py"),
+                     "SIGABRT")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("paratrain launch: worker rank 1 (local rank 1) failed first with "
+                           "signal SIGABRT"), result.stderr
+    assert last.endswith("the process was killed and left no traceback"), result.stderr
+    assert "traceback is above" not in result.stderr
+
+
+@pytest.mark.slow
+def test_group_left_to_interpreter_exit_is_released_first():
+    # A cycle holding the process group (DDP's reducer) is collected and the group
+    # destroyed before interpreter shutdown, where tearing gloo down could abort.
+    result = run_cli("launch", "--nproc-per-node", "1", str(SCRIPTS / "exit_cleanup.py"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["rank 0 done", "cycle collected",
+                                          "destroyed, still initialized=True"]
+
+
+def interrupt(tmp_path, signum, *extra):
+    """Start a 2-process training, send ``signum`` to the launcher after step 2."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain.cli", "launch", "--nproc-per-node", "2",
+         str(SCRIPTS / "fault_train.py"), "--log-steps", "--step-sleep", "0.2",
+         "--epochs", "50", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("step 2 "):
+            proc.send_signal(signum)
+            break
+    rest, err = proc.communicate(timeout=120)
+    return proc.returncode, "".join(out) + rest, err
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_ends_with_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    code, out, err = interrupt(tmp_path, signal.SIGINT, "--checkpoint-dir", str(ckpt))
+    assert code == 130, err
+    assert err.strip().splitlines() == ["paratrain launch: interrupted; workers were stopped"]
+    saved = [line for line in out.splitlines() if line.startswith("paratrain: SIGINT received")]
+    assert len(saved) == 1 and f"to {ckpt}, exiting" in saved[0], out
+    step = int(saved[0].split("saved step ")[1].split()[0])
+    assert (ckpt / f"step-{step:09d}.pt").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_without_checkpoints_ends_with_one_line(tmp_path):
+    code, _, err = interrupt(tmp_path, signal.SIGTERM)
+    assert code == 143, err
+    assert err.strip().splitlines() == ["paratrain launch: stopped by SIGTERM; workers were stopped"]
+
+
+def test_agent_log_lines_that_the_summary_repeats_are_dropped():
+    import logging
+
+    from paratrain.launch_report import quiet_agent_logs
+
+    logger = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    quiet_agent_logs()
+    quiet_agent_logs()  # idempotent
+    try:
+        def passes(msg):
+            return logger.filter(logging.LogRecord(logger.name, logging.WARNING, "", 0, msg,
+                                                   None, None))
+
+        assert not passes("Received %s death signal, shutting down workers")
+        assert passes("[%s] Worker group FAILED. %s/%s attempts left; will restart worker group")
+        assert len(logger.filters) == 1
+    finally:
+        logger.filters.clear()
+
+
+def test_closing_the_reporter_ends_its_progress_bar():
+    from paratrain.reporting import Reporter
+
+    reporter = Reporter(is_main=True, show_progress=True, metrics=None)
+    batches = reporter.progress(range(10), total_samples=10, samples_per_batch=1, desc="e")
+    next(batches)
+    bar = reporter._bar
+    reporter.close()  # a stop message printed now must not be followed by the bar
+    assert reporter._bar is None and bar.disable
+    batches.close()

@@ -154,12 +154,59 @@ def test_port_in_use():
     assert_one_line_failure(out, f"port {port} on 127.0.0.1 is in use")
 
 
+WAIT_REPORT = {"PARATRAIN_WAIT_REPORT_S": "1"}
+
+
 def test_unreachable_master():
     # Loopback only: a port nobody listens on stands for a master that is not there.
     out = run(launch("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                     "--master-port", str(free_port()), "--join-timeout", "3", TRAIN))
+                     "--master-port", str(free_port()), "--join-timeout", "3", TRAIN),
+              WAIT_REPORT)
     assert_one_line_failure(out, "master 127.0.0.1:")
     assert "unreachable after 3 s" in out.lines[-1]
+    notices = out.lines[:-1]
+    assert len(notices) >= 2, out.stderr  # one at the start, then one a second
+    assert all(n.startswith("paratrain launch: node 1 is waiting for the master 127.0.0.1:")
+               and "--join-timeout sets the wait" in n for n in notices), out.stderr
+
+
+def test_peers_that_never_join_node_0():
+    out = run(launch("--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port()),
+                     "--join-timeout", "3", TRAIN), WAIT_REPORT)
+    assert_one_line_failure(out, "the 2 nodes of --nnodes 2 did not all join within 3 s")
+    assert "--join-timeout sets the wait" in out.lines[-1]
+    notices = out.lines[:-1]
+    assert notices and all(n.startswith("paratrain launch: node 0 is waiting for the other 1 "
+                                        "node(s) of --nnodes 2 to join at 127.0.0.1:")
+                           for n in notices), out.stderr
+
+
+@pytest.mark.slow
+def test_rank_stuck_before_init():
+    # Rank 1 sleeps before Run(): rank 0 waits in init_process_group, saying so.
+    out = run(launch("--nproc-per-node", "2", str(SCRIPTS / "late_rank.py")),
+              {**WAIT_REPORT, "PARATRAIN_TIMEOUT_S": "4"})
+    assert_one_line_failure(out, "rank 0: the process group did not form within 4 s",
+                            levels=2)
+    assert "PARATRAIN_TIMEOUT_S sets the wait" in out.lines[-1]
+    notices = [n for n in out.lines if "waiting for the other 1 rank(s) to join" in n]
+    assert notices and notices[0].startswith("paratrain: rank 0: waiting for"), out.stderr
+
+
+@pytest.mark.slow
+def test_peer_lost_during_prepare():
+    # Without the launcher, whose agent would stop rank 0 as soon as rank 1 dies.
+    port = str(free_port())
+    script = [sys.executable, str(SCRIPTS / "lose_peer_in_prepare.py")]
+    started = time.monotonic()
+    procs = [start(script, {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": port}) for r in (0, 1)]
+    survivor, killed = [finish(proc, tag, started) for proc, tag in procs]
+    assert killed.returncode == -9
+    assert_one_line_failure(survivor, "rank 0: a collective failed (", levels=1)
+    assert "lost rank 1 (host 127.0.0.1)" in survivor.lines[-1]
+    assert len(survivor.lines) == 1, survivor.stderr
 
 
 # -- the training script refuses (single process, no launcher) -------------------------
@@ -286,18 +333,37 @@ def test_config_fingerprint_ignores_object_addresses_and_local_paths():
     assert [n for n, a, b in zip(names, base, changed) if a != b] == ["seed"]
 
 
-def test_sigterm_becomes_a_stop_request_and_the_handler_is_restored():
+@pytest.mark.parametrize("signum, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_stop_signal_becomes_a_stop_request_and_the_handler_is_restored(signum, code):
     import signal as signals_module
 
     from paratrain.signals import GracefulStop
 
-    before = signals_module.getsignal(signals_module.SIGTERM)
+    signum = getattr(signals_module, signum)
+    before = signals_module.getsignal(signum)
     stop = GracefulStop(group=None, enabled=True)
     try:
         assert stop.installed and not stop.should_stop()
-        os.kill(os.getpid(), signals_module.SIGTERM)  # would end pytest without the handler
+        os.kill(os.getpid(), signum)  # would end pytest without the handler
         time.sleep(0.1)
         assert stop.should_stop()
+        assert stop.signal == signum and stop.exit_code == code
     finally:
         stop.close()
-    assert signals_module.getsignal(signals_module.SIGTERM) == before
+    assert signals_module.getsignal(signum) == before
+
+
+def test_wait_notices_come_at_the_interval(capsys):
+    from paratrain import waits
+
+    with pytest.raises(ValueError, match="PARATRAIN_WAIT_REPORT_S='0' must be a number"):
+        waits.report_interval({"PARATRAIN_WAIT_REPORT_S": "0"})
+    assert waits.report_interval({}) == 30.0
+    with waits.reporting(lambda s: f"waited {s:.1f}", interval_s=0.3, first_after_s=0.1):
+        time.sleep(0.85)
+    lines = capsys.readouterr().err.splitlines()
+    assert 2 <= len(lines) <= 4 and all(line.startswith("waited ") for line in lines), lines
+    with waits.reporting(lambda s: "never", interval_s=0.1, first_after_s=0.1,
+                         done=lambda: True):
+        time.sleep(0.7)
+    assert capsys.readouterr().err == ""

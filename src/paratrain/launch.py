@@ -1,21 +1,35 @@
 """``paratrain launch``: torchrun's command line on top of ``torch.distributed.run``.
 
 The flags are torchrun's; the processes are started, watched and restarted by
-torchrun's elastic agent. What paratrain adds is checks that fail fast with one
-line (script missing, port in use, bad node rank, ...), a free port when a
-single-node job does not name one, and CPU thread defaults that split the cores
-among the local processes instead of oversubscribing them.
+torchrun's elastic agent. What paratrain adds:
+
+* checks that fail fast with one line (script missing, port in use, bad node
+  rank, ...), a free port when a single-node job does not name one, and CPU
+  thread defaults that split the cores among the local processes;
+* a line when a wait lasts (the master, the other nodes; every
+  ``PARATRAIN_WAIT_REPORT_S``, default 30 s) and one line when it times out;
+* one report when the job ends badly: the first failed rank's traceback once
+  and a line naming it (:mod:`paratrain.launch_report`); Ctrl-C and SIGTERM
+  end with one line and exit code 130 / 143 (torch's agent forwards the signal
+  to the workers, which checkpoint when they have a checkpoint directory);
+* workers run through :mod:`paratrain.launch_worker`, which releases a process
+  group left to interpreter exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import psutil
+
+from paratrain import launch_report, launch_worker, signals, waits
 from paratrain.reporting import cpu_threads_per_process
 
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
@@ -181,12 +195,16 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     return [*argv, args.script]
 
 
-def wait_for_master(host: str, port: int, timeout_s: float) -> None:
+def wait_for_master(host: str, port: int, timeout_s: float, *,
+                    interval_s: float = waits.DEFAULT_INTERVAL_S, node_rank: int = 1) -> None:
     """Return once ``host:port`` accepts a TCP connection; LaunchError after ``timeout_s``.
 
-    Node 0 may start later than the others, so a refused connection is retried.
+    Node 0 may start later than the others, so a refused connection is retried;
+    one line says so at the first refusal and every ``interval_s`` after it.
     """
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
+    next_notice = started
     while True:
         left = deadline - time.monotonic()
         try:
@@ -194,12 +212,19 @@ def wait_for_master(host: str, port: int, timeout_s: float) -> None:
                 return
         except OSError as exc:
             reason = exc.strerror or type(exc).__name__
-        if time.monotonic() + 0.5 >= deadline:
+        now = time.monotonic()
+        if now + 0.5 >= deadline:
             raise LaunchError(
                 f"master {host}:{port} is unreachable after {timeout_s:g} s ({reason}); start "
                 "node 0 first, or check --master-addr/--master-port and the firewall "
                 "(--join-timeout sets the wait)"
             )
+        if now >= next_notice:
+            print(f"paratrain launch: node {node_rank} is waiting for the master {host}:{port} "
+                  f"(node 0) to start ({now - started:.0f} s so far, {reason}; fails in "
+                  f"{deadline - now:.0f} s; --join-timeout sets the wait)",
+                  file=sys.stderr, flush=True)
+            next_notice += interval_s
         time.sleep(0.5)
 
 
@@ -217,19 +242,63 @@ def _local_process_count(nproc: str) -> int:
     return os.cpu_count() or 1
 
 
+def _launched_children() -> bool:
+    """True once the agent has started worker processes (the rendezvous is over)."""
+    try:
+        return bool(psutil.Process().children())
+    except psutil.Error:
+        return False
+
+
+def _rendezvous_notice(args: argparse.Namespace, high: int) -> Callable[[float], str]:
+    if args.rdzv_backend == "static":
+        who = f"node {args.node_rank} is waiting"
+        where = f"{args.master_addr}:{args.master_port or 29500}"
+    else:
+        who, where = "this node is waiting", args.rdzv_endpoint
+    missing = (f"the other {high - 1} node(s)" if args.rdzv_backend == "static"
+               and args.node_rank == 0 else "all nodes")
+
+    def line(elapsed: float) -> str:
+        return (f"paratrain launch: {who} for {missing} of --nnodes {args.nnodes} to join at "
+                f"{where} ({elapsed:.0f} s so far, fails in "
+                f"{max(0.0, args.join_timeout - elapsed):.0f} s; --join-timeout sets the wait)")
+
+    return line
+
+
+def _stop_line(signum: int) -> str:
+    if signum == signal.SIGINT:
+        return "interrupted; workers were stopped"
+    return f"stopped by {signal.Signals(signum).name}; workers were stopped"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``paratrain launch``; returns the process exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before torch's agent handles SIGINT itself
+        print(f"paratrain launch: {_stop_line(signal.SIGINT)}", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         validate(args)
+        interval = waits.report_interval()
         if (args.rdzv_backend == "static" and not args.standalone and args.node_rank > 0):
-            wait_for_master(args.master_addr, args.master_port or 29500, args.join_timeout)
-    except LaunchError as exc:
+            wait_for_master(args.master_addr, args.master_port or 29500, args.join_timeout,
+                            interval_s=interval, node_rank=args.node_rank)
+    except (LaunchError, ValueError) as exc:
         print(f"paratrain launch: {exc}", file=sys.stderr)
         return 2
-    # Restarted workers otherwise may reuse the agent's store address of a dead
-    # attempt and fail to rendezvous (pytorch/pytorch#135712).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if args.max_restarts > 0:
+        # Restarted workers otherwise may reuse the agent's store address of a dead
+        # attempt and fail to rendezvous (pytorch/pytorch#135712). Without restarts the
+        # workers keep torchrun's default, the agent's store: with their own, rank 0
+        # hosts it, and rank 0 still aborted at exit now and then (docs/reliability.md).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # Without this, every process would start one thread per core and they would
     # fight over the same cores.
     threads = cpu_threads_per_process(_local_process_count(str(args.nproc_per_node)))
@@ -239,43 +308,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.share_gpus:
         os.environ["PARATRAIN_SHARE_GPUS"] = "1"  # read by Topology.from_env in each worker
 
+    from torch.distributed import DistNetworkError, DistStoreError
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     torch_args = get_args_parser().parse_args(torchrun_argv(args))
     # Set directly: parsing them would let torchrun match the script's flags as its own.
     torch_args.training_script_args = script_args(args)
+    # Workers leave their errors to the launcher's report, except when the job may
+    # restart: then the error of an attempt that was retried would not be seen at all.
+    quiet_workers = not args.no_python and args.max_restarts == 0
+    if quiet_workers:
+        os.environ[signals.ENV_LAUNCHED] = "1"
+    if not args.no_python:
+        # Workers run the script through paratrain's runner (clean exit, see launch_worker).
+        torch_args.training_script_args = [
+            "--module" if args.module else "--script", args.script,
+            *torch_args.training_script_args]
+        torch_args.training_script = launch_worker.__file__
+        torch_args.module = False
+    launch_report.quiet_agent_logs()
+    high = _parse_nnodes(args.nnodes)[1]
+    notice = waits.reporting(_rendezvous_notice(args, high), interval_s=interval,
+                             done=_launched_children) if high > 1 else contextlib.nullcontext()
     try:
-        run(torch_args)
+        with notice:
+            run(torch_args)
     except ChildFailedError as exc:
-        print(f"paratrain launch: {describe_failure(exc)}", file=sys.stderr)
+        stack, line = launch_report.describe_failure(exc)
+        if stack and quiet_workers:
+            print(stack, file=sys.stderr)
+        print(f"paratrain launch: {line}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("paratrain launch: interrupted; workers were stopped", file=sys.stderr)
-        return 130
+    except SignalException as exc:
+        # The agent has already forwarded the signal to the workers and waited for them.
+        print(f"paratrain launch: {_stop_line(exc.sigval)}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except (DistStoreError, DistNetworkError, RendezvousError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"paratrain launch: the {high} nodes of --nnodes {args.nnodes} did not all join "
+              f"within {args.join_timeout:g} s ({detail[:200]}); start every node with the "
+              "same --nnodes, --master-addr and --master-port (or --rdzv-endpoint), or check "
+              "the network (--join-timeout sets the wait)", file=sys.stderr)
+        return 1
     return 0
-
-
-def describe_failure(exc: BaseException) -> str:
-    """One line naming the first failed rank and how it died."""
-    failures = getattr(exc, "failures", {}) or {}
-    if not failures:
-        return f"job failed: {exc}"
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
-    how = f"exit code {failure.exitcode}"
-    if failure.exitcode < 0:
-        how = f"signal {failure.signal_name()}"
-    more = f" ({len(failures) - 1} other worker(s) also failed)" if len(failures) > 1 else ""
-    # The worker's own one-line error, if it recorded one in torchrun's error file.
-    said = ""
-    message, stack = failure.message, ""
-    if isinstance(message, dict):  # torchrun's error-file format
-        stack = message.get("extraInfo", {}).get("py_callstack", "")
-        message = message.get("message", "")
-    if failure.error_file and os.path.isfile(failure.error_file) and message:
-        said = f": {str(message).strip().splitlines()[0][:300]}"
-    # paratrain's one-line errors record no traceback (the stack is the message itself).
-    where = said if said and stack.strip() == str(message).strip() else (
-        f"{said}; its traceback is above")
-    return (f"worker rank {rank} (local rank {failure.local_rank}) failed first with {how}"
-            f"{more}{where}")

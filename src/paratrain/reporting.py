@@ -162,6 +162,10 @@ class Reporter:
             print(meter.line(desc), file=stream, flush=True)
 
     def close(self) -> None:
+        if self._bar is not None:
+            # Closed now, not when the loop's generator is collected (after later output).
+            self._bar.close()
+            self._bar = None
         if self.metrics is not None:
             self.metrics.close()
 

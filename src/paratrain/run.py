@@ -87,7 +87,8 @@ class Run:
             # Once, cheaply: a node started with other settings fails here, not mid-run.
             self._health = health.HealthMonitor(topology=self.topology,
                                                 every=health.health_every())
-            self._health.check_config(self.config)
+            with self._guard_peers():
+                self._health.check_config(self.config)
             # Records the collectives each rank enters; names the stuck one (paratrain.hang).
             self._hang = hang.HangMonitor(
                 rank=self.rank, world_size=self.world_size, hosts=self._health.hosts,
@@ -174,9 +175,12 @@ class Run:
         if self.config.checkpoint_activations is not None:
             apply_activation_checkpointing(model, self.config.checkpoint_activations)
         model = self.precision.convert_module(model)
-        model = self.strategy.setup_model(model)
-        if optimizer is not None:
-            optimizer = self.strategy.setup_optimizer(optimizer)
+        # Wrapping communicates (DDP broadcasts the parameters): a peer lost here is one
+        # line too.
+        with self._guard_peers():
+            model = self.strategy.setup_model(model)
+            if optimizer is not None:
+                optimizer = self.strategy.setup_optimizer(optimizer)
         if self.strategy.serve(model, optimizer):
             # A non-training role (parameter server) finished its work: leave cleanly.
             self.close()
@@ -371,13 +375,15 @@ class Run:
         if saved:
             self.save()
         if self._stop.should_stop():
-            # SIGTERM: every rank stops after this same step, with a checkpoint to resume from.
+            # SIGTERM/SIGINT: every rank stops after this same step, with a checkpoint to
+            # resume from.
             if not saved:
                 self.save()
-            self.print(f"paratrain: SIGTERM received; saved step {self.global_step} to "
-                       f"{self.config.checkpoint_dir}, exiting")
+            # close() ends the progress bar first, so that it is not redrawn after the line.
             self.close()
-            raise SystemExit(signals.EXIT_SIGTERM)
+            self.print(f"paratrain: {self._stop.signal.name} received; saved step "
+                       f"{self.global_step} to {self.config.checkpoint_dir}, exiting")
+            raise SystemExit(self._stop.exit_code)
 
     def _at_boundary(self) -> bool:
         if (self._micro_step + 1) % self.config.accumulate == 0:

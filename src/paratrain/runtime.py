@@ -1,4 +1,10 @@
-"""Process-group lifetime: initialise once with a timeout, tear down in the right order."""
+"""Process-group lifetime: initialise once with a timeout, tear down in the right order.
+
+While the ranks gather in :func:`init_process_group` a rank that waits longer
+than a few seconds says so every ``PARATRAIN_WAIT_REPORT_S`` (30 s), and a
+rank that never comes ends the wait with one line instead of torch's
+``DistStoreError`` traceback.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from paratrain import waits
 from paratrain.topology import Topology
+
+_TIMEOUT_SETTINGS = "Run(timeout_s=...) or PARATRAIN_TIMEOUT_S sets the wait"
 
 
 def init_process_group(topology: Topology, *, timeout_s: float) -> bool:
@@ -36,14 +45,32 @@ def init_process_group(topology: Topology, *, timeout_s: float) -> bool:
         kwargs["device_id"] = topology.device
     if topology.is_main and topology.notice:
         print(f"paratrain: {topology.notice}", file=sys.stderr, flush=True)
-    dist.init_process_group(
-        backend=topology.backend,
-        init_method="env://",
-        rank=topology.rank,
-        world_size=topology.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    others = topology.world_size - 1
+
+    def waiting(elapsed: float) -> str:
+        return (f"paratrain: rank {topology.rank}: waiting for the other {others} rank(s) to "
+                f"join the process group ({elapsed:.0f} s so far, fails in "
+                f"{max(0.0, timeout_s - elapsed):.0f} s; {_TIMEOUT_SETTINGS})")
+
+    # Until every rank arrives (one stuck in its own set-up, or started late) this
+    # blocks for up to timeout_s without a word.
+    with waits.reporting(waiting, interval_s=waits.report_interval()):
+        try:
+            dist.init_process_group(
+                backend=topology.backend,
+                init_method="env://",
+                rank=topology.rank,
+                world_size=topology.world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                **kwargs,
+            )
+        except (dist.DistStoreError, dist.DistNetworkError) as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RuntimeError(
+                f"rank {topology.rank}: the process group did not form within {timeout_s:g} s "
+                f"({detail[:160]}); a rank crashed or is stuck before it joined; "
+                f"{_TIMEOUT_SETTINGS}"
+            ) from exc
     return True
 
 

@@ -2,9 +2,10 @@
 
 ``GracefulStop``
     With a checkpoint directory, SIGTERM (what torchrun's agent, a scheduler
-    or ``kill`` send) no longer kills the worker mid-step: the flag is agreed
+    or ``kill`` send) and SIGINT (Ctrl-C, which ``paratrain launch`` forwards
+    to its workers) no longer kill the worker mid-step: the flag is agreed
     on by all ranks, every rank finishes the same optimizer step, a checkpoint
-    is written and the process exits with 143 (128 + SIGTERM). Under
+    is written and the process exits with 143 (128 + SIGTERM) or 130 (SIGINT). Under
     ``paratrain launch --max-restarts N`` the restarted job resumes from it.
     The agreement is a one-element all-reduce started after each step and
     read after the next one, so it overlaps training instead of waiting.
@@ -16,7 +17,9 @@
     Errors that paratrain raises for bad input or a lost peer print as one
     line ``paratrain: <message>`` instead of a traceback
     (``PARATRAIN_TRACEBACK=1`` shows it), and every uncaught error is recorded
-    in torchrun's error file so that ``paratrain launch`` can quote it.
+    in torchrun's error file so that ``paratrain launch`` can quote it. Under
+    ``paratrain launch`` the worker does not print it: the launcher prints the
+    error of the rank that failed first, once.
 """
 
 from __future__ import annotations
@@ -36,12 +39,16 @@ import torch
 import torch.distributed as dist
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
+EXIT_SIGINT = 128 + signal.SIGINT
 ENV_GRACE = "PARATRAIN_TERM_GRACE_S"
+# Set by ``paratrain launch`` for its workers: it reports their errors itself.
+ENV_LAUNCHED = "PARATRAIN_LAUNCHED"
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PACKAGE_DIR = str(Path(__file__).resolve().parent)
 
 
 class GracefulStop:
-    """SIGTERM handling agreed across ranks.
+    """SIGTERM / SIGINT handling agreed across ranks.
 
     Args:
         group: process group for the agreement (None for a single process).
@@ -52,6 +59,8 @@ class GracefulStop:
         self.group = group
         self.requested = False
         self.agreed = False
+        self.signal = signal.SIGTERM
+        """The signal that asked for the stop (the last one received)."""
         self._flag = torch.zeros(1, dtype=torch.int32)
         self._work: Any = None
         self._previous: Any = None
@@ -63,7 +72,7 @@ class GracefulStop:
                 self.grace_s = float(raw)
             except ValueError:
                 raise ValueError(f"{ENV_GRACE}={raw!r} must be a number of seconds") from None
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
             self.installed = True
             self._start_watchdog()
 
@@ -83,19 +92,28 @@ class GracefulStop:
 
     def _watch(self, read_fd: int) -> None:
         try:
-            while signal.SIGTERM not in os.read(read_fd, 64):
+            while True:
+                received = os.read(read_fd, 64)
+                if any(int(sig) in received for sig in _STOP_SIGNALS):
+                    break
                 if not self.installed:
                     return  # woken by close()
         finally:
             os.close(read_fd)
         time.sleep(self.grace_s)
         if self.installed and not self.agreed:
-            print(f"paratrain: SIGTERM; no step finished within {self.grace_s:g} s "
+            print(f"paratrain: {self.signal.name}; no step finished within {self.grace_s:g} s "
                   f"({ENV_GRACE}), exiting without a checkpoint", file=sys.stderr, flush=True)
-            os._exit(EXIT_SIGTERM)
+            os._exit(self.exit_code)
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as if the signal had ended the process."""
+        return 128 + int(self.signal)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the step in progress finishes, collectives stay paired.
+        self.signal = signal.Signals(signum)
         self.requested = True
 
     def should_stop(self) -> bool:
@@ -127,7 +145,8 @@ class GracefulStop:
             except RuntimeError:
                 pass  # the job is failing already; that error is the one to report
         if self.installed and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+            for sig, previous in (self._previous or {}).items():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
             if self._wakeup is not None:
                 _, write_fd, old = self._wakeup
                 signal.set_wakeup_fd(old)
@@ -172,32 +191,40 @@ def summary(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def record_error_file(exc: BaseException, message: str, *, with_traceback: bool) -> None:
+def record_error_file(exc: BaseException, message: str, *, with_traceback: bool,
+                      tb: TracebackType | None = None) -> bool:
     """Write torchrun's per-worker error file (``TORCHELASTIC_ERROR_FILE``), if there is one.
 
     torchrun prints ``py_callstack`` in its failure report; for one-line errors it
-    is the message itself.
+    is the message itself. ``paratrain_time`` (sub-second, unlike torchrun's
+    ``timestamp``) lets the launcher tell which rank failed first. Returns True
+    when the file was written.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
     stack = message
     if with_traceback:
-        stack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        tb = exc.__traceback__ if tb is None else tb
+        stack = "".join(traceback.format_exception(type(exc), exc, tb))
+    now = time.time()
     data = {"message": {"message": message, "extraInfo": {
-        "py_callstack": stack, "timestamp": str(int(time.time()))}}}
+        "py_callstack": stack, "timestamp": str(int(now)), "paratrain_time": repr(now)}}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException,
                 tb: TracebackType | None) -> None:
     one_line = is_one_line(exc) and os.environ.get("PARATRAIN_TRACEBACK", "") in ("", "0")
     message = summary(exc) if one_line else f"{exc_type.__name__}: {summary(exc)}"
-    record_error_file(exc, message, with_traceback=not one_line)
+    recorded = record_error_file(exc, message, with_traceback=not one_line, tb=tb)
+    if recorded and os.environ.get(ENV_LAUNCHED) == "1":
+        return  # `paratrain launch` prints the first failed rank's error, once
     if one_line:
         print(f"paratrain: {message}", file=sys.stderr, flush=True)
     else:
