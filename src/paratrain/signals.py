@@ -18,8 +18,8 @@
     line ``paratrain: <message>`` instead of a traceback
     (``PARATRAIN_TRACEBACK=1`` shows it), and every uncaught error is recorded
     in torchrun's error file so that ``paratrain launch`` can quote it. Under
-    ``paratrain launch`` the worker does not print it: the launcher prints the
-    error of the rank that failed first, once.
+    ``paratrain launch`` (without ``--max-restarts``) the worker does not print
+    it: the launcher prints the error of the rank that failed first, once.
 """
 
 from __future__ import annotations
