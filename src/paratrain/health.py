@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.topology import Topology
+from paratrain.waits import seconds_from_env
 
 ENV_EVERY = "PARATRAIN_HEALTH_EVERY"
 ENV_TIMEOUT = "PARATRAIN_TIMEOUT_S"
@@ -320,14 +321,4 @@ class HealthMonitor:
 
 def env_timeout_s(environ: Mapping[str, str] | None = None) -> float | None:
     """The collective timeout from ``PARATRAIN_TIMEOUT_S``, or None when unset."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(ENV_TIMEOUT, "")
-    if raw == "":
-        return None
-    try:
-        value = float(raw)
-        if not value > 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be a number of seconds > 0") from None
-    return value
+    return seconds_from_env(ENV_TIMEOUT, environ)
