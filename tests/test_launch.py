@@ -246,9 +246,15 @@ def test_agent_log_lines_that_the_summary_repeats_are_dropped():
 
 
 def test_closing_the_reporter_ends_its_progress_bar():
+    import io
+
     from paratrain.reporting import Reporter
 
-    reporter = Reporter(is_main=True, show_progress=True, metrics=None)
+    class Terminal(io.StringIO):
+        def isatty(self):  # the bar is drawn on terminals only (a log gets plain lines)
+            return True
+
+    reporter = Reporter(is_main=True, show_progress=True, metrics=None, stream=Terminal())
     batches = reporter.progress(range(10), total_samples=10, samples_per_batch=1, desc="e")
     next(batches)
     bar = reporter._bar

@@ -171,7 +171,8 @@ class Run:
             # Every rank holds (a shard of) the same model: compare shapes before any
             # wrapper communicates, since a wrapper fails obscurely on a mismatch.
             # Pipeline stages and parameter servers hold different parts.
-            self._health.check_model(model)
+            with self._guard_peers():
+                self._health.check_model(model)
         if self.config.checkpoint_activations is not None:
             apply_activation_checkpointing(model, self.config.checkpoint_activations)
         model = self.precision.convert_module(model)
