@@ -1,4 +1,4 @@
-"""Per-step cost of recording collectives and loop phases (paratrain.collectives, paratrain.hang).
+"""Per-step cost of recording collectives and loop phases (paratrain.reliability.collectives, paratrain.reliability.hang).
 
     python benchmarks/collective_record.py --repeats 7 --steps 20
 
@@ -35,8 +35,8 @@ def _steps(run, model, optimizer, x, y, steps: int) -> float:
 
 def worker(rank: int, world_size: int, repeats: int, steps: int) -> dict[str, list[float]]:
     import paratrain
-    from paratrain import hang
-    from paratrain.demo import convnet
+    from paratrain.models import convnet
+    from paratrain.reliability import hang
 
     run = paratrain.Run(strategy="ddp", progress=False)
     try:
@@ -66,7 +66,7 @@ def worker(rank: int, world_size: int, repeats: int, steps: int) -> dict[str, li
 
 def isolated_costs() -> tuple[float, float]:
     """Seconds per phase mark and per recorded call (recording only, no communication)."""
-    from paratrain.collectives import CollectiveRecorder
+    from paratrain.reliability.collectives import CollectiveRecorder
 
     recorder = CollectiveRecorder()
 
@@ -88,7 +88,7 @@ def isolated_costs() -> tuple[float, float]:
 
 
 def main() -> int:
-    from paratrain.testing.spawn import spawn
+    from paratrain.distributed.spawn import spawn
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)

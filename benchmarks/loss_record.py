@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from paratrain.distributed.spawn import spawn
 from paratrain.testing.reference import synthetic_classification, train_steps
-from paratrain.testing.spawn import spawn
 
 # name -> (processes, Run keyword arguments)
 CASES: dict[str, tuple[int, dict]] = {
@@ -79,8 +79,8 @@ def strategy_case(rank: int, world_size: int, kwargs: dict) -> dict:
 
 
 def demo_case(rank: int, world_size: int, num_steps: int) -> dict:
-    from paratrain.datasets import fashion_mnist
-    from paratrain.demo import convnet
+    from paratrain.datasets.images import fashion_mnist
+    from paratrain.models import convnet
 
     run = paratrain.Run(strategy="ddp", progress=False, accelerator="cpu", seed=0)
     model = convnet()

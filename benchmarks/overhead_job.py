@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paratrain.datasets import fashion_mnist
-from paratrain.demo import convnet
+from paratrain.datasets.images import fashion_mnist
+from paratrain.models import convnet
 
 
 def timed_epoch(run_epoch) -> float:

@@ -1,6 +1,6 @@
 """Does ``paratrain plan`` predict real step times? Predicted vs measured, side by side.
 
-Real training jobs (``paratrain.bench_worker`` under ``paratrain launch``) of each
+Real training jobs (``paratrain.bench.worker`` under ``paratrain launch``) of each
 strategy in ``--strategies`` that the registry has (``ps`` is included automatically
 once registered) with 2-3 workers:
 
@@ -10,7 +10,7 @@ once registered) with 2-3 workers:
   otherwise those rows are skipped with the reason.
 
 Prediction: :func:`paratrain.plan.predict` with the model's sizes from
-:func:`paratrain.plan.calibrate` and the compute time from the job's own gradient-sync-free
+:func:`paratrain.plan.calibration` and the compute time from the job's own gradient-sync-free
 phase ("in-situ calibration": the emulated hosts share this machine's cores, so a
 process's compute speed depends on how many run at once). The link is the tbf rate
 (loopback: the job's all-reduce probe); the latency comes from the job's 4-byte
@@ -41,13 +41,13 @@ from pathlib import Path
 
 import torch
 
-from paratrain import bench_jobs
-from paratrain.bench_report import link_from_probe
-from paratrain.bench_worker import DEMO_MODEL, JobSpec, load_factory, make_loss
+from paratrain.bench import jobs as bench_jobs
+from paratrain.bench.report import link_from_probe
+from paratrain.bench.worker import DEMO_MODEL, JobSpec, load_factory, make_loss
 from paratrain.plan import Hardware, calibrate, parse_bandwidth, predict
 from paratrain.strategies import available_strategies
-from paratrain.strategies.pipeline import PipelineOptions
-from paratrain.strategies.pipeline_module import microbatches_for
+from paratrain.strategies.pipeline.module import microbatches_for
+from paratrain.strategies.pipeline.strategy import PipelineOptions
 
 PORT = 29500  # every namespace has its own port space
 
@@ -162,7 +162,7 @@ def calibrate_micro(model, args):
 
 def validate_single(args) -> int:
     """Plan's calibrated single-device step vs a real ``single`` job on the same device."""
-    from paratrain.plan_device import select_device
+    from paratrain.plan.device import select_device
 
     device = select_device(None)
     if device.type == "cpu":

@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 def train(args: argparse.Namespace) -> None:
     """One job (inside ``paratrain launch``): train to the sample budget, evaluate."""
     import paratrain
-    from paratrain.datasets import fashion_mnist
-    from paratrain.demo import convnet
+    from paratrain.datasets.images import fashion_mnist
+    from paratrain.models import convnet
 
     options = MODES[args.mode]
     with paratrain.Run(strategy="ddp" if options is None else "ps", strategy_options=options or {},
@@ -124,7 +124,7 @@ def train(args: argparse.Namespace) -> None:
 
 def step_time(batch_size: int) -> float:
     """Seconds of one forward+backward+Adam step of the ConvNet on one thread."""
-    from paratrain.demo import convnet
+    from paratrain.models import convnet
 
     torch.set_num_threads(1)
     model = convnet()

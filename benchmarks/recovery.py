@@ -84,7 +84,7 @@ def node_argv(mode: str, k: int, master: str, local: str, nnodes: int, nproc: in
     if mode == "static":
         # An explicit port keeps it static: without one, a single-node job with restarts
         # is switched to a local c10d rendezvous by the launcher.
-        from paratrain.launch import free_port
+        from paratrain.distributed.device import free_port
 
         port = free_port() if nnodes == 1 else PORT
         return [*argv, "--node-rank", str(k), "--master-addr", master, "--master-port", str(port)]

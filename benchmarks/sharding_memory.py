@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.testing.spawn import spawn
+from paratrain.distributed.spawn import spawn
 
 STRATEGIES = ("ddp", "fsdp", "pipeline")
 

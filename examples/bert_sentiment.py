@@ -23,7 +23,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import paratrain  # noqa: E402
 from paratrain.datasets import DatasetNotFound  # noqa: E402
-from paratrain.text_data import PadCollate, TextSplit, TokenizedTexts, rotten_tomatoes  # noqa: E402
+from paratrain.datasets.text import PadCollate, TextSplit, TokenizedTexts, rotten_tomatoes  # noqa: E402
 
 
 def model_dir(path: str | None) -> str:

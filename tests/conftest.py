@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paratrain.testing.spawn import free_port
+from paratrain.distributed.device import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",

@@ -8,7 +8,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.testing.spawn import spawn
+from paratrain.distributed.spawn import spawn
 
 
 def dataset(n=32, masked=False):

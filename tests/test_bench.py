@@ -11,17 +11,18 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain import bench_jobs
-from paratrain.bench import BenchConfig, main, preflight, resolve_strategies
-from paratrain.bench_measure import MemoryWatch, state_bytes
-from paratrain.bench_report import (
+from paratrain.bench import jobs as bench_jobs
+from paratrain.bench.cli import main
+from paratrain.bench.measure import MemoryWatch, state_bytes
+from paratrain.bench.report import (
     BenchReport,
     BenchRow,
     add_scaling_efficiency,
     link_from_probe,
     row_from_results,
 )
-from paratrain.bench_worker import JobSpec, make_loss
+from paratrain.bench.runner import BenchConfig, preflight, resolve_strategies
+from paratrain.bench.worker import JobSpec, make_loss
 
 CONVNET_PARAMS = 431_242
 

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from paratrain.bench import BenchConfig, bench, preflight
-from paratrain.bench_report import BenchReport, BenchRow, add_scaling_efficiency, row_from_results
-from paratrain.bench_rows import GPU_DEFAULT_ROWS, resolve_accelerator, resolve_rows
-from paratrain.bench_worker import JobSpec
+from paratrain.bench.report import BenchReport, BenchRow, add_scaling_efficiency, row_from_results
+from paratrain.bench.rows import GPU_DEFAULT_ROWS, resolve_accelerator, resolve_rows
+from paratrain.bench.runner import BenchConfig, bench, preflight
+from paratrain.bench.worker import JobSpec
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

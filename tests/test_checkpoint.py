@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from paratrain import checkpoint
-from paratrain.checkpoint import CheckpointError
+from paratrain.checkpoint import files as checkpoint
+from paratrain.checkpoint.files import CheckpointError
 
 
 def valid_state(step=1):

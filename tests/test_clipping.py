@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.testing.spawn import spawn
+from paratrain.distributed.spawn import spawn
 
 MAX_NORM = 0.05  # well below the gradient norm, so every step clips
 

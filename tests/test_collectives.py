@@ -1,4 +1,4 @@
-"""The collective record and the stuck-collective report (paratrain.collectives, paratrain.hang)."""
+"""The collective record and the stuck-collective report (paratrain.reliability.collectives, paratrain.reliability.hang)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paratrain import hang
-from paratrain.collectives import CollectiveRecorder, Entry, describe
-from paratrain.testing.spawn import spawn
+from paratrain.distributed.spawn import spawn
+from paratrain.reliability import hang
+from paratrain.reliability.collectives import CollectiveRecorder, Entry, describe
 
 WARN_ENV = {"PARATRAIN_COLLECTIVE_WARN_S": "1"}
 

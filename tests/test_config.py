@@ -1,8 +1,8 @@
 import pytest
 
 from paratrain.config import RunConfig
+from paratrain.distributed.topology import Topology
 from paratrain.strategies import available_strategies, create_strategy
-from paratrain.topology import Topology
 
 
 @pytest.mark.parametrize(

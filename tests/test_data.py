@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from paratrain.data import ShardedSampler, epoch_order
+from paratrain.data.loader import ShardedSampler, epoch_order
 
 
 def shards(n, world, *, batch=None, epoch=0, offset=0, **kw):

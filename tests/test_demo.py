@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from paratrain.datasets import DatasetNotFound, find_fashion_mnist
+from paratrain.datasets.images import DatasetNotFound, find_fashion_mnist
 
 
 def have_data():
@@ -41,7 +41,7 @@ def test_missing_data_is_one_clear_line(tmp_path):
     env_dir.mkdir()
     result = subprocess.run(
         [sys.executable, "-c",
-         "import paratrain.datasets as d, sys; d.FASHION_MNIST_DIRS = (); "
+         "import paratrain.datasets.images as d, sys; d.FASHION_MNIST_DIRS = (); "
          "from paratrain.demo import main; sys.exit(main(['--data-dir', sys.argv[1]]))",
          str(env_dir)],
         capture_output=True, text=True, timeout=60,

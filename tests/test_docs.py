@@ -165,7 +165,7 @@ def tiny_fashion_mnist(split: str = "train", **_: object) -> TensorDataset:
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [b for b in blocks() if b.runs], ids=lambda b: b.id)
 def test_block_runs(block, tmp_path, monkeypatch):
-    import paratrain.datasets
+    import paratrain.datasets.images
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(paratrain.datasets, "fashion_mnist", tiny_fashion_mnist)

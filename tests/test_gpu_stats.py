@@ -10,9 +10,11 @@ import types
 
 import torch
 
-from paratrain import bench_measure, bench_worker, gpu_stats
-from paratrain.bench_measure import MemoryWatch, Utilisation
-from paratrain.gpu_stats import NVML_MISSING, GpuUtilisation, nvml_index, nvml_reader
+from paratrain.bench import measure as bench_measure
+from paratrain.bench import worker as bench_worker
+from paratrain.bench.measure import MemoryWatch, Utilisation
+from paratrain.distributed import gpu_stats
+from paratrain.distributed.gpu_stats import NVML_MISSING, GpuUtilisation, nvml_index, nvml_reader
 
 CUDA0 = torch.device("cuda", 0)
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain.horovod as hvd
-from paratrain.testing.spawn import spawn
+from paratrain.distributed.spawn import spawn
 
 MICRO_BATCH = 4  # per rank and backward pass
 NUM_STEPS = 3

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paratrain import launch
+from paratrain.launch import launcher as launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -56,7 +56,7 @@ def test_torchrun_argv_picks_free_port_for_single_node():
 
 
 def test_threads_split_cores_among_processes():
-    from paratrain.reporting import cpu_threads_per_process
+    from paratrain.distributed.device import cpu_threads_per_process
 
     assert cpu_threads_per_process(1) >= cpu_threads_per_process(2) >= 1
     assert cpu_threads_per_process(10_000) == 1
@@ -125,7 +125,7 @@ def test_kill_and_resume_mid_epoch_is_bitwise_identical(tmp_path):
 # -- how a job ends: signals, failures, interpreter exit ---------------------------------
 
 def test_failure_summary_names_the_signal_and_the_first_error(tmp_path):
-    from paratrain.launch_report import describe_failure
+    from paratrain.launch.report import describe_failure
 
     def failure(rank, exitcode, timestamp, message=None, when=None):
         error_file = ""
@@ -228,7 +228,7 @@ def test_sigterm_without_checkpoints_ends_with_one_line(tmp_path):
 def test_agent_log_lines_that_the_summary_repeats_are_dropped():
     import logging
 
-    from paratrain.launch_report import quiet_agent_logs
+    from paratrain.launch.report import quiet_agent_logs
 
     logger = logging.getLogger("torch.distributed.elastic.agent.server.api")
     quiet_agent_logs()
@@ -248,7 +248,7 @@ def test_agent_log_lines_that_the_summary_repeats_are_dropped():
 def test_closing_the_reporter_ends_its_progress_bar():
     import io
 
-    from paratrain.reporting import Reporter
+    from paratrain.run.reporting import Reporter
 
     class Terminal(io.StringIO):
         def isatty(self):  # the bar is drawn on terminals only (a log gets plain lines)

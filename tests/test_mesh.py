@@ -2,8 +2,8 @@
 
 import pytest
 
-from paratrain.mesh import ParallelDegrees, ParallelMesh, coordinates
-from paratrain.topology import Topology
+from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh, coordinates
+from paratrain.distributed.topology import Topology
 
 
 def test_infer_fills_the_missing_degree():

@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.health import HealthError, describe_model_difference, model_fingerprint
-from paratrain.testing.spawn import spawn
+from paratrain.distributed.spawn import spawn
+from paratrain.reliability.health import HealthError, describe_model_difference, model_fingerprint
 
 
 def dataset(n=16):
@@ -139,7 +139,7 @@ def test_mismatched_models_across_ranks_are_named(strategy):
 
 
 def test_launch_without_a_script_names_only_the_script(capsys):
-    from paratrain.launch import build_parser
+    from paratrain.launch.launcher import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args([])

@@ -13,6 +13,7 @@ from paratrain.plan import (
     ModelProfile,
     allgather_time,
     allreduce_time,
+    ddp_buckets,
     exposed_comm_time,
     format_bytes,
     format_seconds,
@@ -27,7 +28,6 @@ from paratrain.plan import (
     ring_allreduce_time,
     ring_reduce_scatter_time,
 )
-from paratrain.plan_model import ddp_buckets
 
 MB = 1e6
 

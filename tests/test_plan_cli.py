@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from paratrain.plan import STRATEGIES, main
+from paratrain.plan import STRATEGIES
+from paratrain.plan.cli import main
 
 
 def test_cli_json_output(tmp_path, capsys):
@@ -33,7 +34,7 @@ def test_cli_calibrates_default_and_named_model(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["profile"]["num_parameters"] == 431_242
     assert [p["strategy"] for p in data["predictions"]] == ["ddp", "fsdp"]
-    assert main(["--model", "paratrain.plan:default_model", "--input-shape", "1,28,28",
+    assert main(["--model", "paratrain.plan.cli:default_model", "--input-shape", "1,28,28",
                  "--strategies", "single", "--batch-size", "2", "--repeats", "1"]) == 0
     assert "single" in capsys.readouterr().out
 

@@ -10,10 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain import plan_calibrate, plan_device
-from paratrain.plan import Hardware, ModelProfile, calibrate, main, plan, predict
-from paratrain.plan_links import PRESETS, guess_intra_node, link_preset, resolve_links
-from paratrain.plan_scaling import format_scaling, parse_node_counts, plan_scaling
+from paratrain.plan import Hardware, ModelProfile, calibrate, plan, predict
+from paratrain.plan import calibration as plan_calibrate
+from paratrain.plan import device as plan_device
+from paratrain.plan.cli import main
+from paratrain.plan.links import PRESETS, guess_intra_node, link_preset, resolve_links
+from paratrain.plan.scaling import format_scaling, parse_node_counts, plan_scaling
 
 
 def profile(**kw):

@@ -7,8 +7,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
+from paratrain.distributed.spawn import spawn
 from paratrain.precision import Precision
-from paratrain.testing.spawn import spawn
 
 
 def dataset(n=32):
@@ -106,9 +106,9 @@ def test_fp16_scaler_state_is_checkpointed(tmp_path):
 
 @pytest.mark.slow
 def test_bf16_mixed_trains_demo_within_one_point_of_fp32(request):
-    pytest.importorskip("paratrain.datasets").find_fashion_mnist()
-    from paratrain.datasets import fashion_mnist
-    from paratrain.demo import convnet
+    pytest.importorskip("paratrain.datasets.images").find_fashion_mnist()
+    from paratrain.datasets.images import fashion_mnist
+    from paratrain.models import convnet
 
     train_set = fashion_mnist("train", limit=3000)
     test_set = fashion_mnist("test", limit=2000)

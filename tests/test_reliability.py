@@ -23,8 +23,8 @@ import psutil
 import pytest
 import torch
 
-from paratrain.health import first_divergent
-from paratrain.testing.spawn import free_port
+from paratrain.distributed.device import free_port
+from paratrain.reliability.health import first_divergent
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "fault_train.py")
@@ -322,7 +322,7 @@ def test_first_divergent_rank():
 
 def test_config_fingerprint_ignores_object_addresses_and_local_paths():
     from paratrain.config import RunConfig
-    from paratrain.health import config_fingerprint
+    from paratrain.reliability.health import config_fingerprint
 
     def fingerprint(**kwargs):
         return config_fingerprint(RunConfig(**kwargs))[1]
@@ -337,7 +337,7 @@ def test_config_fingerprint_ignores_object_addresses_and_local_paths():
 def test_stop_signal_becomes_a_stop_request_and_the_handler_is_restored(signum, code):
     import signal as signals_module
 
-    from paratrain.signals import GracefulStop
+    from paratrain.reliability.signals import GracefulStop
 
     signum = getattr(signals_module, signum)
     before = signals_module.getsignal(signum)
@@ -354,7 +354,7 @@ def test_stop_signal_becomes_a_stop_request_and_the_handler_is_restored(signum, 
 
 
 def test_wait_notices_come_at_the_interval(capsys):
-    from paratrain import waits
+    from paratrain.reliability import waits
 
     with pytest.raises(ValueError, match="PARATRAIN_WAIT_REPORT_S='0' must be a number"):
         waits.report_interval({"PARATRAIN_WAIT_REPORT_S": "0"})

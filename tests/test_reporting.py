@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain import flops
-from paratrain.flops import FirstStepFlops, Throughput, peak_flops_for
-from paratrain.reporting import Reporter
+from paratrain.run import flops
+from paratrain.run.flops import FirstStepFlops, Throughput, peak_flops_for
+from paratrain.run.reporting import Reporter
 
 
 def dataset(n=48):

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from paratrain.distributed.spawn import spawn
 from paratrain.testing.reference import synthetic_classification
-from paratrain.testing.spawn import spawn
 
 GLOBAL_BATCH, NUM_SAMPLES, EPOCHS, STOP_AT = 8, 24, 2, 2  # 3 steps per epoch
 HYBRID_PP = {"pipeline_degree": 2, "pipeline": {"num_microbatches": 2}}

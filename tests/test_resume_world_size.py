@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.testing.spawn import spawn
+from paratrain.distributed.spawn import spawn
 
 NUM_SAMPLES, GLOBAL_BATCH, EPOCHS, STOP_AT = 48, 8, 2, 3  # 6 steps per epoch
 

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.checkpoint import CheckpointError
+from paratrain.checkpoint.files import CheckpointError
 
 
 def dataset(n=50):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from paratrain.topology import Topology
+from paratrain.distributed.topology import Topology
 
 
 def test_unlaunched_is_single_process():
@@ -172,7 +172,7 @@ def test_the_suite_pins_tests_to_the_cpu():
 def test_shared_gpus_start_gloo_with_a_notice_on_rank_zero(monkeypatch, capsys, rank):
     import torch.distributed as dist
 
-    from paratrain import runtime
+    from paratrain.distributed import process_group as runtime
 
     calls = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -202,7 +202,7 @@ def visibility_worker(rank, world_size):
 def test_spawned_cpu_ranks_do_not_see_gpus(monkeypatch):
     import os
 
-    from paratrain.testing.spawn import spawn
+    from paratrain.distributed.spawn import spawn
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert spawn(visibility_worker, 1) == [("", "cpu")]

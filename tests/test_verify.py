@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import paratrain
-from paratrain import verify as verify_module
-from paratrain.datasets import DatasetNotFound, find_fashion_mnist
-from paratrain.verify import Factorization, ProbeSetup, parse_factorizations, verify
+from paratrain.datasets.images import DatasetNotFound, find_fashion_mnist
+from paratrain.verify import cli as verify_module
+from paratrain.verify.runner import Factorization, ProbeSetup, parse_factorizations, verify
 
 TESTS = Path(__file__).parent
 
@@ -172,7 +172,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     (["--accelerator", "tpu"], "accelerator must be"),
 ])
 def test_cli_bad_argument_fails_before_touching_the_dataset(argv, message, capsys, monkeypatch):
-    import paratrain.datasets
+    import paratrain.datasets.images
 
     touched = []
 
@@ -187,7 +187,7 @@ def test_cli_bad_argument_fails_before_touching_the_dataset(argv, message, capsy
 
 
 def test_accelerator_auto_picks_cuda_when_every_process_gets_a_gpu(monkeypatch):
-    from paratrain.verify_probe import resolve_accelerator
+    from paratrain.verify.probe import resolve_accelerator
 
     factorizations = parse_factorizations(["2x4x1", "1x2x4"])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -249,7 +249,7 @@ def test_cli_default_demo_setup_passes():
 
 
 def test_arguments_are_checked_before_the_data_is_looked_for(monkeypatch, capsys):
-    import paratrain.datasets
+    import paratrain.datasets.images
 
     def no_data(*args, **kwargs):
         raise FileNotFoundError("Fashion-MNIST not found")
@@ -260,7 +260,7 @@ def test_arguments_are_checked_before_the_data_is_looked_for(monkeypatch, capsys
 
 
 def test_auto_accelerator_uses_cuda_only_when_every_probe_gets_its_own_gpus():
-    from paratrain.verify import parse_factorizations, resolve_accelerator
+    from paratrain.verify.runner import parse_factorizations, resolve_accelerator
 
     factorizations = parse_factorizations(["1x8x1", "2x4x1"])
     assert resolve_accelerator("auto", factorizations, num_gpus=0) == "cpu"

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("paratrain.launch:main", "start a script on one or many nodes (torchrun flags)"),
     "demo": ("paratrain.demo:main", "train a ConvNet on Fashion-MNIST with 2 workers"),
-    "plan": ("paratrain.plan:main", "predict step time and memory of each strategy at scale"),
-    "verify": ("paratrain.verify:main",
+    "plan": ("paratrain.plan.cli:main", "predict step time and memory of each strategy at scale"),
+    "verify": ("paratrain.verify.cli:main",
                "check a setup gives the 1-process gradients at several world x batch splits"),
-    "bench": ("paratrain.bench:main", "measure speed, memory and scaling of every strategy"),
+    "bench": ("paratrain.bench.cli:main", "measure speed, memory and scaling of every strategy"),
 }
 
 

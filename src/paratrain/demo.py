@@ -15,22 +15,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import paratrain
-from paratrain.datasets import DatasetNotFound, fashion_mnist
-from paratrain.reporting import peak_memory_bytes
-
-
-def convnet() -> nn.Sequential:
-    """The classic 2-conv + pooling CNN for 28x28 grey images, 10 classes."""
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(1600, 256), nn.ReLU(),
-        nn.Linear(256, 10),
-    )
+from paratrain.datasets.images import DatasetNotFound, fashion_mnist
+from paratrain.distributed.device import peak_memory_bytes
+from paratrain.models import convnet
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.data_dir = str(fashion_mnist_dir)
         train(args)
         return 0
-    from paratrain import launch
+    from paratrain.launch import launcher as launch
 
     forwarded = list(argv if argv is not None else sys.argv[1:])
     return launch.main(["--nproc-per-node", str(args.nproc), "-m", "paratrain.demo", *forwarded])

@@ -9,10 +9,10 @@ import torch.distributed as dist
 from torch import nn
 
 import paratrain
-from paratrain.runtime import destroy_process_group
+from paratrain.distributed.process_group import destroy_process_group
+from paratrain.distributed.spawn import WorkerFailed, spawn
+from paratrain.distributed.topology import Topology
 from paratrain.testing.reference import synthetic_classification, train_steps
-from paratrain.testing.spawn import WorkerFailed, spawn
-from paratrain.topology import Topology
 
 pytestmark = pytest.mark.gpu
 

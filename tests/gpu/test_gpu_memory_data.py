@@ -9,9 +9,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain import data as data_module
+from paratrain.data import loader as data_module
+from paratrain.distributed.spawn import spawn
 from paratrain.testing.reference import synthetic_classification
-from paratrain.testing.spawn import spawn
 
 pytestmark = pytest.mark.gpu
 

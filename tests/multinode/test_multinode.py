@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.datasets import DatasetNotFound, find_fashion_mnist
+from paratrain.datasets.images import DatasetNotFound, find_fashion_mnist
 from paratrain.testing import netns
 
 _OK, _REASON = netns.netns_available()

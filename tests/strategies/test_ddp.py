@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from paratrain.distributed.spawn import spawn
 from paratrain.testing.reference import synthetic_classification, train_steps
-from paratrain.testing.spawn import spawn
 
 NUM_SAMPLES = 96
 

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 import paratrain
+from paratrain.distributed.spawn import spawn
 from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
 from paratrain.testing.reference import synthetic_classification, train_steps
-from paratrain.testing.spawn import spawn
 
 NUM_SAMPLES = 96
 

@@ -8,10 +8,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
+from paratrain.distributed.spawn import spawn
+from paratrain.distributed.topology import Topology
 from paratrain.strategies.hybrid import HybridOptions
 from paratrain.testing.reference import train_steps
-from paratrain.testing.spawn import spawn
-from paratrain.topology import Topology
 
 
 def dataset(n=64):

@@ -6,11 +6,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.strategies.pipeline import PipelineOptions, balanced_split, stage_layers
-from paratrain.strategies.pipeline_deferred import Deferred, Node
-from paratrain.strategies.pipeline_module import microbatches_for
+from paratrain.distributed.spawn import spawn
+from paratrain.strategies.pipeline.deferred import Deferred, Node
+from paratrain.strategies.pipeline.module import microbatches_for
+from paratrain.strategies.pipeline.strategy import PipelineOptions, balanced_split, stage_layers
 from paratrain.testing.reference import synthetic_classification
-from paratrain.testing.spawn import spawn
 
 
 def dataset(n=96):

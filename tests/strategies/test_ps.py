@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.strategies import ps_protocol as proto
-from paratrain.strategies.ps import PSOptions, PSStrategy, resolve_num_servers
-from paratrain.strategies.ps_server import average_round, staleness_weight
-from paratrain.strategies.ps_worker import assemble_state, split_state
+from paratrain.distributed.spawn import spawn
+from paratrain.distributed.topology import Topology
+from paratrain.strategies.ps import protocol as proto
+from paratrain.strategies.ps.server import average_round, staleness_weight
+from paratrain.strategies.ps.strategy import PSOptions, PSStrategy, resolve_num_servers
+from paratrain.strategies.ps.worker import assemble_state, split_state
 from paratrain.testing.reference import synthetic_classification, train_steps
-from paratrain.testing.spawn import spawn
-from paratrain.topology import Topology
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_SAMPLES = 96

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from paratrain.runtime import destroy_process_group, init_process_group
-from paratrain.topology import Topology
+from paratrain.distributed.process_group import destroy_process_group, init_process_group
+from paratrain.distributed.topology import Topology
 
 # Reduction ops, under Horovod's names.
 Average, Sum, Min, Max = "average", "sum", "min", "max"

@@ -6,8 +6,8 @@ import dataclasses
 import importlib
 from typing import Any
 
+from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
-from paratrain.topology import Topology
 
 # name -> "module:Class", imported lazily so a strategy's heavy imports cost nothing
 # until it is chosen.
@@ -15,9 +15,9 @@ _REGISTRY: dict[str, str] = {
     "single": "paratrain.strategies.single:SingleDevice",
     "dp": "paratrain.strategies.dp:DataParallelStrategy",
     "ddp": "paratrain.strategies.ddp:DDPStrategy",
-    "ps": "paratrain.strategies.ps:PSStrategy",
+    "ps": "paratrain.strategies.ps.strategy:PSStrategy",
     "fsdp": "paratrain.strategies.fsdp:FSDPStrategy",
-    "pipeline": "paratrain.strategies.pipeline:PipelineStrategy",
+    "pipeline": "paratrain.strategies.pipeline.strategy:PipelineStrategy",
     "hybrid": "paratrain.strategies.hybrid:HybridStrategy",
     "mp": "paratrain.strategies.model_parallel:ModelParallelStrategy",
 }

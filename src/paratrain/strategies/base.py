@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.topology import Topology
+from paratrain.distributed.topology import Topology
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -128,7 +128,7 @@ class Strategy:
 
         Used instead of the single-file path when the strategy is not ``replicated``.
         """
-        from paratrain.strategies.sharded import save_sharded
+        from paratrain.checkpoint.sharded import save_sharded
 
         save_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
 
@@ -140,7 +140,7 @@ class Strategy:
         ``flat_optimizer`` is False for checkpoints whose optimizer state is nested
         (written before the flat layout).
         """
-        from paratrain.strategies.sharded import load_sharded
+        from paratrain.checkpoint.sharded import load_sharded
 
         load_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers,
                      flat=flat_optimizer)

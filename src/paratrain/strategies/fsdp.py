@@ -6,7 +6,7 @@ all-gathered; after backward its gradients are reduce-scattered, so each rank
 updates only its shard. Blocks are wrapped one by one (the wrap policy) so that
 only one block is ever unsharded at a time, then the root is wrapped.
 
-With a 2-D mesh (``replicate x shard``, see :mod:`paratrain.mesh`) the same
+With a 2-D mesh (``replicate x shard``, see :mod:`paratrain.distributed.mesh`) the same
 code is HSDP: sharded within a node, replicated across nodes (used by the
 ``hybrid`` strategy).
 """
@@ -21,16 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.mesh import ParallelDegrees, ParallelMesh
-from paratrain.strategies.base import Strategy
-from paratrain.strategies.sharded import (
+from paratrain.checkpoint.sharded import (
     load_full_model_state,
     load_full_optimizer_state,
     lockstep_batches,
     parameter_names,
     rebuild_optimizer,
 )
-from paratrain.topology import Topology
+from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
+from paratrain.distributed.topology import Topology
+from paratrain.strategies.base import Strategy
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 

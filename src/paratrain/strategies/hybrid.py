@@ -1,4 +1,4 @@
-"""``hybrid``: a 2-D layout on a :class:`~paratrain.mesh.ParallelMesh`.
+"""``hybrid``: a 2-D layout on a :class:`~paratrain.distributed.mesh.ParallelMesh`.
 
 Two combinations are supported, chosen by the degrees:
 
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.mesh import ParallelDegrees
+from paratrain.distributed.mesh import ParallelDegrees
+from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.fsdp import FSDPOptions, FSDPStrategy
-from paratrain.strategies.pipeline import PipelineOptions, PipelineStrategy
-from paratrain.topology import Topology
+from paratrain.strategies.pipeline.strategy import PipelineOptions, PipelineStrategy
 
 
 @dataclass(frozen=True, kw_only=True)

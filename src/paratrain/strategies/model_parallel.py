@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from paratrain.partition import balanced_split
+from paratrain.distributed.partition import balanced_split
 from paratrain.strategies.base import Strategy
 
 

@@ -1,0 +1,224 @@
+"""``paratrain bench``: measure every registered strategy at several world sizes.
+
+On a machine with CUDA the default rows are the seeds' comparison table: ``single``,
+``dp``, ``ddp``, ``ddp+bf16-mixed`` and ``fsdp`` (see :mod:`paratrain.bench.rows`); on CPU
+every registered strategy. Each row x world size runs as its own job through the real launcher
+(``paratrain launch ... -m paratrain.bench.worker``) on synthetic data of the model's
+input shape, with warm-up and repeated timing windows. Strategies are discovered from
+the registry when the bench runs; one that cannot run a configuration is listed as
+skipped with the reason.
+
+Example::
+
+    from paratrain.bench.runner import bench
+    report = bench(model="my_module:build", input_shape=(3, 32, 32), world_sizes=(1, 2),
+                   strategies=("ddp", "ddp+bf16-mixed"))
+    print(report.format_table())
+    report.write_json("bench.json"); report.write_csv("bench.csv"); report.plot("bench.png")
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from paratrain.bench import jobs as bench_jobs
+from paratrain.bench.report import BenchReport, BenchRow, add_scaling_efficiency, row_from_results
+from paratrain.bench.rows import (
+    ACCELERATORS,
+    REFERENCE,
+    RowSpec,
+    default_world_sizes,
+    gpu_shortfall,
+    parse_precisions,
+    resolve_accelerator,
+    resolve_rows,
+)
+from paratrain.bench.worker import DEMO_MODEL, JobSpec, load_factory
+
+__all__ = ["BenchConfig", "bench", "preflight", "resolve_strategies"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What ``paratrain bench`` measures and how long it may take."""
+
+    model: str = DEMO_MODEL
+    """``module:callable`` returning the ``nn.Module`` (default: the demo ConvNet)."""
+    input_shape: tuple[int, ...] = (1, 28, 28)
+    """Shape of one sample; inputs are random tensors of this shape."""
+    strategies: tuple[str, ...] | None = None
+    """Rows: ``STRATEGY`` or ``STRATEGY+PRECISION`` (e.g. ``ddp+bf16-mixed``); None means the
+    seeds' table (``single, dp, ddp, ddp+bf16-mixed, fsdp``) on CUDA, else every registered one."""
+    precisions: tuple[str, ...] = ("32",)
+    """Precisions each ``STRATEGY`` without ``+PRECISION`` is measured at."""
+    accelerator: str = "auto"
+    """``auto`` (CUDA when visible, as ``Run`` picks), ``cpu`` or ``cuda``."""
+    world_sizes: tuple[int, ...] | None = None
+    """Numbers of training processes (parameter servers come on top); None: 1 and 2 on CPU,
+    1 and the number of visible GPUs on CUDA."""
+    batch_size: int = 32
+    """Samples per training process per step."""
+    warmup_steps: int = 3
+    """Untimed steps before each timed phase."""
+    steps: int = 10
+    """Steps per timed window."""
+    repeats: int = 3
+    """Timed windows per configuration (median and min-max are reported)."""
+    optimizer: str = "adam"
+    """``adam`` or ``sgd``."""
+    epoch_samples: int = 60_000
+    """Samples in one epoch, for seconds per epoch (Fashion-MNIST's 60,000 by default)."""
+    threads: int | None = None
+    """OMP threads per process; None keeps the launcher's split of the cores."""
+    timeout_s: float = 600.0
+    """Seconds one configuration may take before it is killed and marked failed."""
+    link_probe_bytes: int = 0
+    """If > 0, each job also times all-reduces of this size to report the link bandwidth."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_shape", tuple(self.input_shape))
+        object.__setattr__(self, "precisions", parse_precisions(self.precisions))
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}")
+        if self.world_sizes is None:
+            object.__setattr__(self, "world_sizes",
+                               default_world_sizes(resolve_accelerator(self.accelerator)))
+        object.__setattr__(self, "world_sizes", tuple(self.world_sizes))
+        if self.strategies is not None:
+            object.__setattr__(self, "strategies", tuple(self.strategies))
+            if not self.strategies:
+                raise ValueError("strategies must name at least one strategy (or be None for all)")
+        if not self.world_sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                       for n in self.world_sizes):
+            raise ValueError(f"world_sizes must be integers >= 1, got {self.world_sizes!r}")
+        if not isinstance(self.epoch_samples, int) or self.epoch_samples < 1:
+            raise ValueError(f"epoch_samples must be an integer >= 1, got {self.epoch_samples!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1 or None, got {self.threads!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        self.job_spec(REFERENCE)  # the per-job fields are validated by JobSpec
+
+    def job_spec(self, strategy: str, precision: str = "32", accelerator: str = "auto") -> JobSpec:
+        return JobSpec(strategy=strategy, model=self.model, input_shape=self.input_shape,
+                       batch_size=self.batch_size, warmup_steps=self.warmup_steps,
+                       steps=self.steps, repeats=self.repeats, optimizer=self.optimizer,
+                       link_probe_bytes=self.link_probe_bytes, precision=precision,
+                       accelerator=accelerator)
+
+
+def resolve_strategies(requested: Sequence[str] | None, *, cuda: bool = False) -> list[str]:
+    """Row labels (``ddp``, ``ddp+bf16-mixed``), the reference first; ``None``: every registered
+    strategy, or the seeds' table on CUDA. Unknown names are a ValueError listing the choices."""
+    return [r.label for r in resolve_rows(requested, accelerator="cuda" if cuda else "cpu")]
+
+
+def check_model(config: BenchConfig) -> None:
+    """Build the model and run one forward pass on 2 samples, so a wrong ``model`` or
+    ``input_shape`` fails here with one line instead of in every launched job."""
+    import torch
+    from torch import nn
+
+    model = load_factory(config.model)()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model {config.model!r} returned {type(model).__name__}, not an nn.Module")
+    try:
+        with torch.no_grad():
+            model(torch.randn(2, *config.input_shape))
+    except Exception as exc:  # shape mismatch and the like: the input shape's fault
+        text = str(exc).strip().splitlines()
+        raise ValueError(f"input_shape {config.input_shape}: forward of {config.model!r} failed: "
+                         f"{type(exc).__name__}: {text[0] if text else ''}") from None
+
+
+def preflight(strategy: str, world_size: int, accelerator: str = "cpu") -> str:
+    """Why ``strategy`` cannot run on ``world_size`` processes, or "" when it may."""
+    from paratrain.distributed.topology import Topology
+    from paratrain.strategies import create_strategy, strategy_class
+
+    if strategy == REFERENCE and world_size > 1:
+        return f"'{REFERENCE}' is one process (it would train {world_size} unrelated copies)"
+    shortfall = gpu_shortfall(world_size + bench_jobs.server_args(strategy)[0], accelerator)
+    if shortfall:
+        return shortfall
+    try:
+        strategy_class(strategy)
+    except ImportError as exc:  # registered, but its module is missing or broken
+        return f"cannot import strategy {strategy!r}: {exc}".splitlines()[0]
+    if bench_jobs.server_args(strategy)[0]:
+        return ""  # its layout depends on the launcher's server flag: let the job decide
+    topology = Topology(rank=0, world_size=world_size, local_world_size=world_size)
+    try:
+        create_strategy(strategy, topology)
+    except ValueError as exc:  # the strategy's own, one-line refusal
+        return str(exc).strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - needs a live process group: the job will tell
+        return ""
+    return ""
+
+
+def run_one(config: BenchConfig, strategy: str, world_size: int, workdir: Path, *,
+            precision: str = "32", accelerator: str = "cpu") -> BenchRow:
+    """Launch one configuration and aggregate its ranks' results."""
+    kept = {"precision": precision, "device": accelerator}
+    reason = preflight(strategy, world_size, accelerator)
+    if reason:
+        return BenchRow(strategy=strategy, world_size=world_size, status="skipped", reason=reason,
+                        **kept)
+    job_dir = workdir / f"{RowSpec(strategy, precision).label}-{world_size}"
+    job_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = job_dir / "spec.json"
+    config.job_spec(strategy, precision, accelerator).write(spec_path)
+    out_dir = job_dir / "out"
+    argv = bench_jobs.local_launch_argv(spec_path, out_dir, strategy=strategy,
+                                        world_size=world_size)
+    outcome = bench_jobs.run_local(argv, out_dir, env=bench_jobs.job_env(threads=config.threads),
+                                   timeout=config.timeout_s)
+    servers = bench_jobs.server_args(strategy)[0]
+    if not outcome.ok:
+        return BenchRow(strategy=strategy, world_size=world_size, status="failed",
+                        reason=outcome.reason, num_processes=world_size + servers, **kept)
+    return row_from_results(strategy, world_size, outcome.results, precision=precision,
+                            epoch_samples=config.epoch_samples,
+                            num_processes=world_size + servers,
+                            note=f"+{servers} server(s)" if servers else "")
+
+
+def bench(config: BenchConfig | None = None, *, log: Callable[[str], Any] | None = None,
+          workdir: str | Path | None = None, **fields: Any) -> BenchReport:
+    """Measure every strategy x world size of ``config`` (or ``BenchConfig(**fields)``).
+
+    ``log`` receives one line per configuration (default: stderr). Per-job files
+    (spec, per-rank JSON, launcher log) go to ``workdir`` (default: a temporary
+    directory removed afterwards).
+    """
+    config = replace(config, **fields) if config is not None else BenchConfig(**fields)
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    accelerator = resolve_accelerator(config.accelerator)
+    rows = resolve_rows(config.strategies, precisions=config.precisions, accelerator=accelerator)
+    check_model(config)
+    settings = {**asdict(config), "strategies": [r.label for r in rows],
+                "accelerator": accelerator,
+                "title": f"paratrain bench: {config.model}, batch {config.batch_size}/process "
+                         f"on {accelerator}"}
+    report = BenchReport(settings=settings)
+    with tempfile.TemporaryDirectory(prefix="paratrain-bench-") as tmp:
+        root = Path(workdir) if workdir is not None else Path(tmp)
+        for spec in rows:
+            for n in config.world_sizes:
+                row = run_one(config, spec.strategy, n, root, precision=spec.precision,
+                              accelerator=accelerator)
+                report.rows.append(row)
+                what = (f"{row.samples_per_s:,.1f} samples/s" if row.ok
+                        else f"{row.status}: {row.reason}")
+                log(f"bench: {spec.label} x{n}: {what}")
+    add_scaling_efficiency(report.rows, REFERENCE)
+    return report
+
+
+# --- command line -------------------------------------------------------------------

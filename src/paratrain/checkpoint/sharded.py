@@ -1,0 +1,218 @@
+"""Pieces shared by strategies whose ranks hold different parameters (FSDP, pipeline).
+
+* :func:`rebuild_optimizer`: the user built the optimizer over the original
+  parameters; after sharding or splitting, the module holds new (DTensor or
+  stage-local) parameters, so an optimizer of the same class and param-group
+  hyperparameters is built over those.
+* :func:`save_sharded` / :func:`load_sharded`: ``torch.distributed.checkpoint``
+  (DCP) with fully-qualified parameter names, so a checkpoint written at one
+  world size or layout loads at another.
+* :func:`lockstep_batches`: evaluation where every rank runs the same number
+  of forward passes, because a sharded forward is collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.data.loader import move_to_device
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> fully-qualified name``, recorded before a module is transformed."""
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                      params_by_name: dict[str, nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over ``params_by_name``, group by group.
+
+    ``names`` maps the original parameters (by id) to names; a name missing from
+    ``params_by_name`` belongs to another rank (a pipeline stage) and is dropped.
+    Hyperparameters of every group are kept; optimizer *state* is not carried
+    over (it is empty right after construction, the only time this is called).
+    """
+    groups = []
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise ValueError(
+                "the optimizer holds parameters that are not in the prepared model; "
+                "build it over model.parameters() and pass both to run.prepare()"
+            )
+        params = [params_by_name[names[id(p)]] for p in group["params"]
+                  if names[id(p)] in params_by_name]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    if not any(group["params"] for group in groups):
+        raise ValueError("this rank holds no trainable parameters; move split points so "
+                         "every stage has parameters")
+    cls = type(optimizer)
+    # defaults may hold derived keys the constructor does not take (AdamW's
+    # decoupled_weight_decay): pass what it accepts, then copy them all.
+    accepted = inspect.signature(cls.__init__).parameters
+    rebuilt = cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    rebuilt.defaults = dict(optimizer.defaults)
+    return rebuilt
+
+
+# -- checkpoints through torch.distributed.checkpoint ------------------------------
+
+def _state(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
+           flat: bool = True) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    # Flat optimizer state keys every hyperparameter by parameter name
+    # ("param_groups.<fqn>.lr"). The nested layout stores ``param_groups`` as a
+    # list indexed by group, so pipeline stages wrote the same keys with different
+    # parameters and a resumed stage found its groups without hyperparameters.
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    state: dict[str, Any] = {}
+    for index, module in enumerate(modules):
+        state[f"model_{index}"] = get_model_state_dict(module)
+    for index, optimizer in enumerate(optimizers):
+        # Optimizers are registered against the first model (see RunState).
+        state[f"optimizer_{index}"] = get_optimizer_state_dict(modules[0], optimizer,
+                                                               options=options)
+    return state
+
+
+def save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
+                 optimizers: list[torch.optim.Optimizer]) -> None:
+    """Write every rank's shards of models and optimizers to ``directory`` (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _single_process_quiet():
+        dcp.save(_state(modules, optimizers), checkpoint_id=str(directory))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's "torch.distributed is disabled ... single process" warning, only that one.
+
+    One process saves and loads without a process group on purpose; the strategy's
+    own notice already says it runs unsharded.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable "
+                                r"or uninitialized, assuming the intent is to (save|load) in a "
+                                r"single process")
+        yield
+
+
+def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
+                 optimizers: list[torch.optim.Optimizer], *, flat: bool = True) -> None:
+    """Read ``directory`` into this rank's shards, whatever layout wrote it (collective).
+
+    ``flat`` is False for checkpoints written before optimizer state was flattened.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"sharded checkpoint directory {directory} is missing")
+    state = _state(modules, optimizers, flat=flat)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(directory))
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    for index, module in enumerate(modules):
+        set_model_state_dict(module, state[f"model_{index}"])
+    for index, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(modules[0], optimizer, state[f"optimizer_{index}"],
+                                 options=options)
+
+
+def saved_shapes(directory: str | os.PathLike, index: int) -> dict[str, tuple[int, ...]]:
+    """``name -> shape`` of model ``index`` in a DCP checkpoint (read from its metadata only)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = f"model_{index}."
+    metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {key[len(prefix):]: tuple(item.size) for key, item in metadata.items()
+            if key.startswith(prefix) and hasattr(item, "size")}
+
+
+def load_full_model_state(module: nn.Module, state: dict[str, torch.Tensor], *,
+                          partial: bool) -> None:
+    """Load an unsharded ``state`` (a one-file checkpoint) into this rank's shards or stage.
+
+    ``partial``: the module is one pipeline stage; the other stages' entries are skipped.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if partial:
+        own = module.state_dict()
+        state = {k: v for k, v in state.items() if k in own}
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+    """Load an unsharded optimizer state keyed by parameter name into this rank's optimizer."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+
+    set_optimizer_state_dict(module, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+# -- evaluation in lockstep ----------------------------------------------------------
+
+_END = object()
+
+
+def _template_batch(batches: Iterable[Any]) -> Any:
+    """A one-sample batch from a paratrain loader, for a rank whose shard is empty."""
+    dataset = getattr(batches, "dataset", None)
+    dataloader = getattr(batches, "dataloader", None)
+    if dataset is None or dataloader is None or len(dataset) == 0:
+        return _END
+    batch = dataloader.collate_fn([dataset[0]])
+    return move_to_device(batch, batches.device)
+
+
+def lockstep_batches(batches: Iterable[Any], *, device: torch.device,
+                     group: dist.ProcessGroup | None = None) -> Iterator[tuple[Any, bool]]:
+    """Yield ``(batch, counted)`` so that every rank of ``group`` yields equally often.
+
+    A rank that ran out of batches re-runs its last one (or one sample of the
+    dataset) with ``counted=False``, so its collectives in forward match the
+    others' and its results are discarded: evaluation stays exact. Costs one
+    small all-reduce per batch.
+    """
+    iterator = iter(batches)
+    filler: Any = None
+    while True:
+        batch = next(iterator, _END)
+        if batch is not _END:
+            filler = batch
+        elif filler is None:
+            filler = _template_batch(batches)
+        flags = torch.tensor([batch is not _END, filler is _END], dtype=torch.int32,
+                             device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        if flags[0] and flags[1]:
+            raise ValueError("a rank has no evaluation batches and no sample to stand in; "
+                             "use a dataset with at least as many samples as ranks")
+        if not flags[0]:
+            return
+        yield (filler, False) if batch is _END else (batch, True)

@@ -1,0 +1,2 @@
+"""Failure handling: health checks and peer loss, signals, stuck collectives, injected
+faults for tests, and wait notices."""

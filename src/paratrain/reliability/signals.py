@@ -1,0 +1,242 @@
+"""How a worker ends: SIGTERM becomes a checkpoint, known errors become one line.
+
+``GracefulStop``
+    With a checkpoint directory, SIGTERM (what torchrun's agent, a scheduler
+    or ``kill`` send) and SIGINT (Ctrl-C, which ``paratrain launch`` forwards
+    to its workers) no longer kill the worker mid-step: the flag is agreed
+    on by all ranks, every rank finishes the same optimizer step, a checkpoint
+    is written and the process exits with 143 (128 + SIGTERM) or 130 (SIGINT). Under
+    ``paratrain launch --max-restarts N`` the restarted job resumes from it.
+    The agreement is a one-element all-reduce started after each step and
+    read after the next one, so it overlaps training instead of waiting.
+    A rank blocked in a collective (its peer is gone) cannot take another step:
+    if the stop is not agreed within ``PARATRAIN_TERM_GRACE_S`` (default 10 s)
+    the process exits with 143 anyway, as it would have without the handler.
+
+``install_excepthook``
+    Errors that paratrain raises for bad input or a lost peer print as one
+    line ``paratrain: <message>`` instead of a traceback
+    (``PARATRAIN_TRACEBACK=1`` shows it), and every uncaught error is recorded
+    in torchrun's error file so that ``paratrain launch`` can quote it. Under
+    ``paratrain launch`` (without ``--max-restarts``) the worker does not print
+    it: the launcher prints the error of the rank that failed first, once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+EXIT_SIGTERM = 128 + signal.SIGTERM
+EXIT_SIGINT = 128 + signal.SIGINT
+ENV_GRACE = "PARATRAIN_TERM_GRACE_S"
+# Set by ``paratrain launch`` for its workers: it reports their errors itself.
+ENV_LAUNCHED = "PARATRAIN_LAUNCHED"
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+class GracefulStop:
+    """SIGTERM / SIGINT handling agreed across ranks.
+
+    Args:
+        group: process group for the agreement (None for a single process).
+        enabled: install the handler (needs the main thread).
+    """
+
+    def __init__(self, *, group: Any, enabled: bool) -> None:
+        self.group = group
+        self.requested = False
+        self.agreed = False
+        self.signal = signal.SIGTERM
+        """The signal that asked for the stop (the last one received)."""
+        self._flag = torch.zeros(1, dtype=torch.int32)
+        self._work: Any = None
+        self._previous: Any = None
+        self._wakeup: tuple[int, int, int] | None = None
+        self.installed = False
+        if enabled and threading.current_thread() is threading.main_thread():
+            raw = os.environ.get(ENV_GRACE, "") or "10"
+            try:
+                self.grace_s = float(raw)
+            except ValueError:
+                raise ValueError(f"{ENV_GRACE}={raw!r} must be a number of seconds") from None
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+            self.installed = True
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        # Python runs the handler only when the main thread returns to the interpreter;
+        # the wakeup fd tells this thread at once, even while the main thread waits in C++.
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:
+            old = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(read_fd), os.close(write_fd)
+            return
+        self._wakeup = (read_fd, write_fd, old)
+        threading.Thread(target=self._watch, args=(read_fd,), daemon=True,
+                         name="paratrain-sigterm").start()
+
+    def _watch(self, read_fd: int) -> None:
+        try:
+            while True:
+                received = os.read(read_fd, 64)
+                if any(int(sig) in received for sig in _STOP_SIGNALS):
+                    break
+                if not self.installed:
+                    return  # woken by close()
+        finally:
+            os.close(read_fd)
+        time.sleep(self.grace_s)
+        if self.installed and not self.agreed:
+            print(f"paratrain: {self.signal.name}; no step finished within {self.grace_s:g} s "
+                  f"({ENV_GRACE}), exiting without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(self.exit_code)
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as if the signal had ended the process."""
+        return 128 + int(self.signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only a flag: the step in progress finishes, collectives stay paired.
+        self.signal = signal.Signals(signum)
+        self.requested = True
+
+    def should_stop(self) -> bool:
+        """Called after every optimizer step on every rank; True on all ranks at once."""
+        if not self.installed:
+            return False
+        if self.group is None:
+            self.agreed = self.requested
+            return self.requested
+        agreed = False
+        if self._work is not None:
+            self._work.wait()
+            agreed = bool(self._flag.item())
+        if agreed:
+            self._work = None
+            self.agreed = True
+            return True
+        self._flag = torch.tensor([int(self.requested)], dtype=torch.int32)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group,
+                                     async_op=True)
+        return False
+
+    def close(self, *, wait: bool = True) -> None:
+        """Finish the pending agreement (if ``wait``) and restore the previous handler."""
+        work, self._work = self._work, None
+        if work is not None and wait:
+            try:
+                work.wait()
+            except RuntimeError:
+                pass  # the job is failing already; that error is the one to report
+        if self.installed and threading.current_thread() is threading.main_thread():
+            for sig, previous in (self._previous or {}).items():
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            if self._wakeup is not None:
+                _, write_fd, old = self._wakeup
+                signal.set_wakeup_fd(old)
+                self.installed = False
+                try:
+                    os.write(write_fd, b"\0")  # wakes the watchdog, which then ends
+                except OSError:
+                    pass
+                os.close(write_fd)
+            self._wakeup = None
+            self.installed = False
+
+
+# -- uncaught errors ------------------------------------------------------------------
+
+def _one_line_types() -> tuple[type[BaseException], ...]:
+    from paratrain.checkpoint.files import CheckpointError
+    from paratrain.datasets.images import DatasetNotFound
+    from paratrain.reliability.health import HealthError, PeerLostError
+
+    return (CheckpointError, DatasetNotFound, HealthError, PeerLostError)
+
+
+def _raised_in_paratrain(tb: TracebackType | None) -> bool:
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+
+
+def is_one_line(exc: BaseException) -> bool:
+    """True for paratrain's own errors and the errors its checks raise (not torch's or yours)."""
+    if isinstance(exc, _one_line_types()):
+        return True
+    return (isinstance(exc, (ValueError, RuntimeError, OSError))
+            and _raised_in_paratrain(exc.__traceback__))
+
+
+def summary(exc: BaseException) -> str:
+    """The first line of the error's message."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def record_error_file(exc: BaseException, message: str, *, with_traceback: bool,
+                      tb: TracebackType | None = None) -> bool:
+    """Write torchrun's per-worker error file (``TORCHELASTIC_ERROR_FILE``), if there is one.
+
+    torchrun prints ``py_callstack`` in its failure report; for one-line errors it
+    is the message itself. ``paratrain_time`` (sub-second, unlike torchrun's
+    ``timestamp``) lets the launcher tell which rank failed first. Returns True
+    when the file was written.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    stack = message
+    if with_traceback:
+        tb = exc.__traceback__ if tb is None else tb
+        stack = "".join(traceback.format_exception(type(exc), exc, tb))
+    now = time.time()
+    data = {"message": {"message": message, "extraInfo": {
+        "py_callstack": stack, "timestamp": str(int(now)), "paratrain_time": repr(now)}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        return False
+    return True
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException,
+                tb: TracebackType | None) -> None:
+    one_line = is_one_line(exc) and os.environ.get("PARATRAIN_TRACEBACK", "") in ("", "0")
+    message = summary(exc) if one_line else f"{exc_type.__name__}: {summary(exc)}"
+    recorded = record_error_file(exc, message, with_traceback=not one_line, tb=tb)
+    if recorded and os.environ.get(ENV_LAUNCHED) == "1":
+        return  # `paratrain launch` prints the first failed rank's error, once
+    if one_line:
+        print(f"paratrain: {message}", file=sys.stderr, flush=True)
+    else:
+        _previous_hook(exc_type, exc, tb)
+
+
+_previous_hook = sys.excepthook
+
+
+def install_excepthook() -> None:
+    """Make uncaught paratrain errors one line; idempotent."""
+    global _previous_hook
+    if sys.excepthook is not _excepthook:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _excepthook

@@ -1,0 +1,384 @@
+"""The user-facing ``Run``: one training script for one process or many.
+
+Example:
+    >>> run = paratrain.Run(strategy="ddp")                     # doctest: +SKIP
+    >>> model, optimizer = run.prepare(model, optimizer)        # doctest: +SKIP
+    >>> loader = run.loader(train_set, batch_size=64)           # doctest: +SKIP
+    >>> for epoch in run.epochs(3):                              # doctest: +SKIP
+    ...     for x, y in run.progress(loader):
+    ...         loss = F.cross_entropy(model(x), y)
+    ...         run.backward(loss)
+    ...         run.step(optimizer)
+    ...     run.print(f"epoch {epoch}: loss {run.mean(loss):.4f}")
+    ...     run.save("checkpoints/")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from paratrain.activation_checkpointing import apply_activation_checkpointing
+from paratrain.checkpoint.files import check_directory as checkpoint_dir_check
+from paratrain.config import RunConfig
+from paratrain.data.loader import DistributedLoader, ShardedSampler
+from paratrain.distributed.process_group import destroy_process_group, init_process_group
+from paratrain.distributed.topology import Topology
+from paratrain.losses import GlobalCount
+from paratrain.precision import Precision
+from paratrain.reliability import faults, hang, health, signals
+from paratrain.run import misuse
+from paratrain.run.flops import FirstStepFlops, Throughput, device_peak_flops
+from paratrain.run.reporting import MetricsLog, Reporter
+from paratrain.run.state import RunState
+from paratrain.run.step import TrainStep
+from paratrain.strategies import create_strategy
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Run(TrainStep):
+    """A training run: topology, strategy, precision, data, checkpoints and reporting.
+
+    Construct it first thing in the script. It reads the launcher's environment
+    (a single process when unlaunched), creates the process group, seeds every
+    RNG with ``seed`` so that models are built identically on all ranks, and
+    picks the strategy. Keyword arguments are the fields of :class:`RunConfig`.
+    """
+
+    def __init__(self, *, environ: dict[str, str] | None = None, **config: Any) -> None:
+        # Bad input and lost peers end the process with one line, not a traceback.
+        signals.install_excepthook()
+        if "timeout_s" not in config and (env_timeout := health.env_timeout_s()) is not None:
+            config["timeout_s"] = env_timeout
+        self.config = RunConfig(**config)
+        if self.config.checkpoint_dir is not None:
+            # Here, not at the first save an epoch later.
+            checkpoint_dir_check(self.config.checkpoint_dir)
+        self.topology = Topology.from_env(environ, accelerator=self.config.accelerator)
+        self._closed = False
+        self._owns_group = init_process_group(self.topology, timeout_s=self.config.timeout_s)
+        try:
+            self.strategy = create_strategy(
+                self.config.strategy, self.topology, self.config.strategy_options
+            )
+            self.strategy.timeout_s = self.config.timeout_s
+            misuse.check_ps_servers(self.strategy.name,
+                                    os.environ if environ is None else environ)
+        except BaseException:
+            self.close()
+            raise
+        self.precision = Precision(self.config.precision, self.topology.device.type)
+        try:
+            self.strategy.configure_precision(self.precision)
+            # Once, cheaply: a node started with other settings fails here, not mid-run.
+            self._health = health.HealthMonitor(topology=self.topology,
+                                                every=health.health_every())
+            with self._guard_peers():
+                self._health.check_config(self.config)
+            # Records the collectives each rank enters; names the stuck one (paratrain.reliability.hang).
+            self._hang = hang.HangMonitor(
+                rank=self.rank, world_size=self.world_size, hosts=self._health.hosts,
+                warn_after_s=hang.warn_after_s(self.config.timeout_s))
+        except BaseException:
+            self.close()
+            raise
+        # Step checks and the SIGTERM agreement need every rank to take every step
+        # (not so for parameter servers or pipeline stages).
+        lockstep = self.strategy.data_parallel_size == self.world_size
+        if not lockstep:
+            self._health.every = 0
+        self._stop = signals.GracefulStop(
+            group=self._health.group,
+            enabled=self.config.checkpoint_dir is not None and lockstep)
+        metrics = None
+        if self.topology.is_main and (self.config.metrics_path or self.config.tensorboard_dir):
+            metrics = MetricsLog(self.config.metrics_path, self.config.tensorboard_dir)
+        self.reporter = Reporter(
+            is_main=self.topology.is_main, show_progress=self.config.progress, metrics=metrics
+        )
+        notice = getattr(self.strategy, "notice", lambda: None)()
+        if notice:
+            self.print(notice)
+        peak = device_peak_flops(device=self.device, precision=self.config.precision,
+                                 override=self.config.peak_flops)
+        self.throughput = Throughput(
+            tokens_per_sample=self.config.tokens_per_sample, peak_flops=peak,
+            flops_per_sample=None, replicas=self.strategy.data_parallel_size,
+            on_gpu=self.device.type == "cuda")
+        """Tokens/s and MFU derived from the samples/s (see :mod:`paratrain.run.flops`)."""
+        # Counted only when MFU can be reported: CPU runs without peak_flops do no extra work.
+        self._flop_counter = FirstStepFlops(enabled=peak is not None)
+        seed_everything(self.config.seed)
+        self.state = RunState(self)
+        self.epoch_stats: list[dict[str, float]] = []
+        self._micro_step = 0
+        self._backward_in_group = False
+        self._counts = GlobalCount()
+        self.last_grad_norm: float | None = None
+        """Global gradient norm before clipping at the last step (with ``max_grad_norm``)."""
+        self._sync_context: contextlib.ExitStack | None = None
+        self._train_loader: DistributedLoader | None = None
+        self._epoch_start = (0, time.perf_counter())
+        self._faults = faults.FaultPlan.from_env(rank=self.topology.rank)
+
+    # -- identity ---------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.topology.is_main
+
+    @property
+    def device(self) -> torch.device:
+        return self.topology.device
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken so far (not micro-batches)."""
+        return self.state.global_step
+
+    # -- setup ------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                scheduler: Any = None) -> Any:
+        """Place and wrap ``model`` for the strategy; return ``(model, optimizer)`` or ``model``.
+
+        After this, every rank draws different random numbers (dropout, augmentation):
+        the global RNGs are reseeded with ``seed + 1 + rank``.
+        """
+        if optimizer is not None:
+            misuse.check_optimizer_matches(model, optimizer)
+        if self.strategy.data_parallel_size == self.world_size:
+            # Every rank holds (a shard of) the same model: compare shapes before any
+            # wrapper communicates, since a wrapper fails obscurely on a mismatch.
+            # Pipeline stages and parameter servers hold different parts.
+            with self._guard_peers():
+                self._health.check_model(model)
+        if self.config.checkpoint_activations is not None:
+            apply_activation_checkpointing(model, self.config.checkpoint_activations)
+        model = self.precision.convert_module(model)
+        # Wrapping communicates (DDP broadcasts the parameters): a peer lost here is one
+        # line too.
+        with self._guard_peers():
+            model = self.strategy.setup_model(model)
+            if optimizer is not None:
+                optimizer = self.strategy.setup_optimizer(optimizer)
+        if self.strategy.serve(model, optimizer):
+            # A non-training role (parameter server) finished its work: leave cleanly.
+            self.close()
+            raise SystemExit(0)
+        self._wrap_forward(model)
+        self.state.register(model, optimizer, scheduler)
+        seed_everything(self.config.seed + 1 + self.rank)
+        return model if optimizer is None else (model, optimizer)
+
+    def loader(self, dataset: Dataset, *, batch_size: int, shuffle: bool = True,
+               drop_last: bool = False, num_workers: int = 0, pin_memory: bool | None = None,
+               persistent_workers: bool = True, collate_fn: Any = None) -> DistributedLoader:
+        """A training loader over this rank's shard; reshuffled each epoch by :meth:`epochs`.
+
+        ``batch_size`` is per rank; the global batch is ``batch_size * data-parallel size``.
+        With ``drop_last=False`` the last samples are padded from the start of the
+        epoch so every rank takes the same number of steps.
+        """
+        return self._make_loader(dataset, batch_size=batch_size, shuffle=shuffle, pad=True,
+                                 drop_last=drop_last, num_workers=num_workers,
+                                 pin_memory=pin_memory, persistent_workers=persistent_workers,
+                                 collate_fn=collate_fn, train=True)
+
+    def eval_loader(self, dataset: Dataset, *, batch_size: int, num_workers: int = 0,
+                    collate_fn: Any = None) -> DistributedLoader:
+        """An evaluation loader: every sample exactly once across ranks (no padding)."""
+        return self._make_loader(dataset, batch_size=batch_size, shuffle=False, pad=False,
+                                 drop_last=False, num_workers=num_workers, pin_memory=None,
+                                 persistent_workers=False, collate_fn=collate_fn, train=False)
+
+    def _make_loader(self, dataset: Dataset, *, batch_size: int, shuffle: bool, pad: bool,
+                     drop_last: bool, num_workers: int, pin_memory: bool | None,
+                     persistent_workers: bool, collate_fn: Any, train: bool) -> DistributedLoader:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        sampler = ShardedSampler(
+            len(dataset), num_replicas=self.strategy.data_parallel_size,
+            rank=self.strategy.data_parallel_rank, shuffle=shuffle, seed=self.config.seed,
+            drop_last=drop_last, pad=pad,
+        )
+        loader = DistributedLoader(
+            dataset, sampler, batch_size=batch_size, device=self.device,
+            num_workers=num_workers,
+            pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
+            persistent_workers=persistent_workers, collate_fn=collate_fn,
+        )
+        if train:
+            self._train_loader = loader
+            self.state.register_loader(loader)
+        return loader
+
+    # -- the loop ---------------------------------------------------------------
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """Yield epoch numbers, resuming where a checkpoint left off.
+
+        Before each epoch the training loaders are reseeded (a new shuffle); a
+        resumed epoch starts at the checkpoint's sample offset. After each epoch
+        the global samples/s are recorded in :attr:`epoch_stats`.
+        """
+        if num_epochs < 0:
+            raise ValueError(f"num_epochs must be >= 0, got {num_epochs}")
+        self.state.maybe_resume()
+        while self.state.epoch < num_epochs:
+            epoch = self.state.epoch
+            self._epoch_start = (self.state.start_epoch(epoch), time.perf_counter())
+            yield epoch
+            self._finish_accumulation()
+            stats = {"epoch": epoch, **self.epoch_throughput(), **self.strategy.metrics()}
+            self.epoch_stats.append(stats)
+            self.reporter.log(stats, step=self.global_step)
+            self.state.epoch = epoch + 1
+
+    def epoch_throughput(self) -> dict[str, float | None]:
+        """Global samples, seconds and samples/s of the current epoch so far.
+
+        Also ``tokens_per_s`` (with ``tokens_per_sample``), ``tflops_per_device``
+        once the first step's FLOPs are counted, and ``mfu`` (None when n/a).
+        """
+        start_offset, start_time = self._epoch_start
+        elapsed = time.perf_counter() - start_time
+        loader = self._train_loader
+        samples = (loader.position - start_offset) if loader is not None else 0
+        speed = samples / elapsed if elapsed > 0 else 0.0
+        return {"samples": samples, "seconds": elapsed, "samples_per_s": speed,
+                **self.throughput.rates(speed)}
+
+    def progress(self, batches: Iterable[Any], *, desc: str | None = None) -> Iterator[Any]:
+        """Iterate ``batches`` with a rank-0 progress bar counting global samples."""
+        if isinstance(batches, DistributedLoader):
+            remaining = batches.sampler.total_size - batches.sampler.cursor.offset
+            per_batch = batches.global_batch_size
+        else:
+            remaining, per_batch = len(batches) * self.world_size, self.world_size  # type: ignore[arg-type]
+        desc = desc or f"epoch {self.state.epoch}"
+        return self.reporter.progress(batches, total_samples=remaining,
+                                      samples_per_batch=per_batch, desc=desc,
+                                      rates=self.throughput.bar_rates)
+
+    # -- evaluation and metrics -------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader: Iterable[Any], *, loss_fn: Any = None) -> dict:
+        """Loss and accuracy of a classifier over ``loader``, exact across ranks.
+
+        Sums and counts are reduced, not per-rank means, so the result equals the
+        single-process one even when ranks hold different numbers of samples.
+        """
+        loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out, y, reduction="sum"))
+        module = self.strategy.unwrap(model)
+        was_training = module.training
+        module.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # Sharded strategies run uncounted stand-in batches so every rank's forward
+        # (which communicates) runs equally often.
+        for (x, y), counted in self.strategy.evaluation_batches(loader):
+            out = self.precision.forward(module, x)
+            if not counted:
+                continue
+            totals[0] += loss_fn(out.float(), y).double()
+            totals[1] += (out.argmax(dim=-1) == y).sum()
+            totals[2] += y.numel()
+        module.train(was_training)
+        loss_sum, correct, count = self.strategy.all_reduce(totals, "sum").tolist()
+        misuse.check_evaluated(count)
+        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1),
+                "count": int(count)}
+
+    def _reduce(self, value: Any, op: str) -> Any:
+        tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value,
+                                 device=self.device)
+        if not tensor.is_floating_point():
+            tensor = tensor.double()
+        with self._guard_peers():
+            result = self.strategy.all_reduce(tensor.float() if op == "mean" else tensor, op)
+        return result.item() if result.numel() == 1 else result
+
+    def mean(self, value: Any) -> Any:
+        """Mean of ``value`` over data-parallel ranks (a float for scalars)."""
+        return self._reduce(value, "mean")
+
+    def sum(self, value: Any) -> Any:
+        """Sum of ``value`` over data-parallel ranks (a float for scalars)."""
+        return self._reduce(value, "sum")
+
+    def gather(self, value: Any) -> torch.Tensor:
+        """``value`` from every data-parallel rank, stacked along a new first dimension."""
+        return self.strategy.all_gather(torch.as_tensor(value, device=self.device))
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        self.reporter.print(*args, **kwargs)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Append ``metrics`` to the metrics log (rank 0), stamped with the global step."""
+        self.reporter.log(metrics, step=self.global_step)
+
+    # -- checkpoints --------------------------------------------------------------
+    def save(self, directory: str | os.PathLike | None = None) -> str | None:
+        """Write a resumable checkpoint; returns its path (None on ranks that do not write)."""
+        if self._micro_step:
+            raise ValueError(
+                "save() was called in the middle of a gradient-accumulation group; "
+                "call it after a run.step() that stepped the optimizer"
+            )
+        return self.state.save(directory)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore model, optimizer, data position, step and RNG states from ``path``."""
+        self.state.load(path)
+
+    # -- lifetime -----------------------------------------------------------------
+    def close(self) -> None:
+        """Release wrapped modules, then the process group. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "_flop_counter"):
+            self._count_flops_done()  # a run that never called backward
+        if hasattr(self, "_hang"):
+            self._hang.close()
+        if hasattr(self, "reporter"):
+            self.reporter.close()
+        if hasattr(self, "state"):
+            self.state.release()
+        if hasattr(self, "_stop"):
+            # After a lost peer the pending agreement can only time out: do not wait for it.
+            self._stop.close(wait=not getattr(self, "_peer_lost", False))
+        if hasattr(self, "strategy"):
+            self.strategy.teardown()
+        if self._owns_group:
+            destroy_process_group()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

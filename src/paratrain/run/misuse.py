@@ -1,0 +1,72 @@
+"""Checks for training-loop mistakes that would otherwise run on silently.
+
+Each turns a run that "works" but learns nothing, or reports a meaningless
+number, into one line that names the mistake and the fix (docs/reliability.md
+lists them). They are local and cost nothing measurable: no communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from paratrain.strategies.ps.strategy import SERVERS_ENV
+
+
+def check_optimizer_matches(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """ValueError when none of ``optimizer``'s parameters belongs to ``model``.
+
+    Typically the optimizer was built from another instance of the model (one
+    created before the model was rebuilt or reloaded): its steps would never
+    change the model being trained.
+    """
+    owned = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and not any(id(p) in owned for p in params):
+        raise ValueError(
+            "run.prepare(model, optimizer): none of the optimizer's parameters belong to "
+            "this model, so training would not change it; build the optimizer from this "
+            "model (e.g. torch.optim.SGD(model.parameters(), ...)) before calling prepare"
+        )
+
+
+def check_step_has_gradients(*, backward_called: bool, models: Iterable[nn.Module],
+                             optimizer: torch.optim.Optimizer) -> None:
+    """RuntimeError at an optimizer step with no backward in its accumulation group.
+
+    A group where only some micro-steps call ``run.backward`` is fine (e.g. a
+    skipped batch); gradients from a plain ``loss.backward()`` are accepted too.
+    """
+    if backward_called:
+        return
+    params = [p for model in models for p in model.parameters()]
+    params += [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(p.grad is not None for p in params):
+        raise RuntimeError(
+            "run.step(optimizer) found no gradients: run.backward(loss) was not called "
+            "since the last optimizer step, so nothing would learn; call "
+            "run.backward(loss) before run.step(optimizer)"
+        )
+
+
+def check_evaluated(count: float) -> None:
+    """ValueError when an evaluation saw no sample on any rank (its accuracy would read 0.0)."""
+    if count == 0:
+        raise ValueError(
+            "run.evaluate() got an empty loader on every rank, so there is no loss or "
+            "accuracy to report; pass a loader with at least one batch (e.g. "
+            "run.eval_loader(dataset, batch_size=...) over a non-empty dataset)"
+        )
+
+
+def check_ps_servers(strategy_name: str, environ: Mapping[str, str]) -> None:
+    """ValueError when ``paratrain launch --ps-servers`` was given to a non-``ps`` strategy."""
+    value = environ.get(SERVERS_ENV, "")
+    if value and strategy_name != "ps":
+        raise ValueError(
+            f"--ps-servers {value} (PARATRAIN_PS_SERVERS) applies to strategy 'ps' only, "
+            f"but the strategy is {strategy_name!r}; use Run(strategy='ps') or launch "
+            "without --ps-servers"
+        )

@@ -1,0 +1,260 @@
+"""Everything a checkpoint must capture for a run to continue exactly where it stopped."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from paratrain.checkpoint import files as checkpoint
+from paratrain.checkpoint.files import CheckpointError
+from paratrain.data.loader import DataCursor, DistributedLoader
+
+if TYPE_CHECKING:
+    from paratrain.run.core import Run
+
+
+class RunState:
+    """Registered model/optimizer/loaders plus counters; saves and restores them."""
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+        self.models: list[nn.Module] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.schedulers: list[Any] = []
+        self.loaders: list[DistributedLoader] = []
+        self.global_step = 0
+        self.epoch = 0
+        self._resume_cursor: DataCursor | None = None
+        self._resume_checked = False
+        self._saved: Path | None = None  # the checkpoint of the current step, once written
+
+    def register(self, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
+        self.models.append(model)
+        if optimizer is not None:
+            self.optimizers.append(optimizer)
+        if scheduler is not None:
+            self.schedulers.append(scheduler)
+
+    def register_loader(self, loader: DistributedLoader) -> None:
+        self.loaders.append(loader)
+
+    def release(self) -> None:
+        self.models.clear()
+        self.optimizers.clear()
+        self.schedulers.clear()
+        self.loaders.clear()
+
+    # -- epochs ---------------------------------------------------------------------
+    def start_epoch(self, epoch: int) -> int:
+        """Point the training loaders at ``epoch``; return the global sample offset it starts at."""
+        offset = 0
+        if self._resume_cursor is not None and self._resume_cursor.epoch == epoch:
+            offset = self._resume_cursor.offset
+        self._resume_cursor = None
+        for loader in self.loaders:
+            loader.set_epoch(epoch, offset)
+        return offset
+
+    def maybe_resume(self) -> None:
+        """Resume once from the newest usable checkpoint in ``checkpoint_dir``, if there is one.
+
+        A damaged newest file (killed storage, truncated copy) falls back to the
+        previous kept checkpoint with a warning naming both; any other problem
+        (another model, another optimizer) is raised, since older files share it.
+        """
+        if self._resume_checked:
+            return
+        self._resume_checked = True
+        directory = self._run.config.checkpoint_dir
+        candidates = checkpoint.list_checkpoints(directory) if directory else []
+        for index in range(len(candidates) - 1, -1, -1):
+            path = candidates[index]
+            try:
+                self.load(path)
+            except checkpoint.CorruptCheckpoint as exc:
+                if index == 0:
+                    raise
+                self._run.print(f"paratrain: warning: {exc}; resuming from the previous "
+                                f"checkpoint {candidates[index - 1]} instead")
+                continue
+            self._run.print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
+            return
+
+    # -- save -------------------------------------------------------------------------
+    def _cursor(self) -> DataCursor:
+        if not self.loaders:
+            return DataCursor(epoch=self.epoch, offset=0)
+        loader = self.loaders[0]
+        cursor = loader.cursor
+        if cursor.offset >= loader.sampler.total_size:
+            # Saved after the last batch: the next run starts the next epoch.
+            return DataCursor(epoch=cursor.epoch + 1, offset=0)
+        return cursor
+
+    def _gather_rng(self) -> torch.Tensor:
+        # Through the strategy: ranks that never save (parameter servers) take no part.
+        return self._run.strategy.gather_rng_states(checkpoint.rng_state())
+
+    def save(self, directory: str | os.PathLike | None) -> str | None:
+        run = self._run
+        directory = directory or run.config.checkpoint_dir
+        if directory is None:
+            raise ValueError("save() needs a directory (or Run(checkpoint_dir=...))")
+        strategy = run.strategy
+        path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
+        if self._saved is not None and path.resolve() == self._saved:
+            # checkpoint_every and an explicit save() at the same step: written once.
+            return str(path) if run.is_main else None
+        cursor = self._cursor()
+        state = {
+            "format": "paratrain",
+            "version": checkpoint.FORMAT_VERSION,
+            "strategy": strategy.name,
+            "world_size": run.world_size,
+            "global_step": self.global_step,
+            "epoch": cursor.epoch,
+            "cursor": {"epoch": cursor.epoch, "offset": cursor.offset},
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "precision": run.precision.state_dict(),
+            "rng": self._gather_rng(),
+        }
+        if strategy.replicated:
+            # State dicts may be collective (sharded strategies): every rank calls them.
+            state["models"] = [strategy.model_state_dict(m) for m in self.models]
+            state["optimizers"] = [
+                strategy.optimizer_state_dict(self.models[0], o) for o in self.optimizers
+            ]
+            # Parameter names in optimizer order, so that a sharded strategy can load it.
+            state["optimizer_params"] = [_optimizer_names(strategy.unwrap(self.models[0]), o)
+                                         for o in self.optimizers]
+        else:
+            # Every rank writes its own shards (torch.distributed.checkpoint) next to the
+            # small file, which rank 0 writes last: its presence marks a complete checkpoint.
+            sharded = path.with_suffix(".dcp")
+            strategy.save_sharded_state(str(sharded), self.models, self.optimizers)
+            state.update(models=[], optimizers=[], sharded=sharded.name,
+                         num_models=len(self.models), optimizer_layout="flat")
+            strategy.barrier()
+        written = None
+        if run.is_main:
+            written = str(checkpoint.atomic_save(state, path))
+            checkpoint.prune(directory, run.config.keep_checkpoints)
+            _prune_sharded(Path(directory))
+        # Nobody continues (and may be killed) before the file is complete.
+        strategy.barrier()
+        self._saved = path.resolve()
+        return written
+
+    # -- load ---------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike) -> None:
+        run = self._run
+        state = checkpoint.safe_load(path)
+        num_models = state.get("num_models", len(state["models"]))
+        if num_models != len(self.models):
+            raise CheckpointError(
+                f"checkpoint {path} holds {num_models} model(s) but "
+                f"{len(self.models)} were prepared; call run.prepare() before loading"
+            )
+        if state.get("sharded"):
+            self._load_sharded(path, state)
+        for index, (model, model_state) in enumerate(zip(self.models, state["models"])):
+            self._check_model(path, index, {k: tuple(v.shape) for k, v in model_state.items()})
+            try:
+                run.strategy.load_model_state_dict(model, model_state)
+            except (RuntimeError, KeyError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {path} does not match the model "
+                                      f"({_reason(exc)})") from None
+        for index, (optimizer, optimizer_state) in enumerate(
+                zip(self.optimizers, state["optimizers"])):
+            if not run.strategy.replicated:
+                optimizer_state = _by_name(path, optimizer_state,
+                                           state.get("optimizer_params", [None])[index])
+            try:
+                run.strategy.load_optimizer_state_dict(self.models[0], optimizer, optimizer_state)
+            except (RuntimeError, KeyError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {path} does not match the optimizer "
+                                      f"({_reason(exc)})") from None
+        for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
+            scheduler.load_state_dict(scheduler_state)
+        run.precision.load_state_dict(state["precision"])
+        self.global_step = int(state["global_step"])
+        self.epoch = int(state["epoch"])
+        self._resume_cursor = DataCursor(**state["cursor"])
+        rng = state["rng"]
+        if int(state["world_size"]) == run.world_size and run.rank < rng.shape[0]:
+            checkpoint.set_rng_state(rng[run.rank])
+        else:
+            # Another world size: per-rank streams cannot be mapped; derive fresh ones.
+            from paratrain.run.core import seed_everything
+
+            seed_everything(run.config.seed + 1 + run.rank + 7919 * self.global_step)
+        self._resume_checked = True
+        self._saved = Path(path).resolve()
+
+    def _check_model(self, path: str | os.PathLike, index: int,
+                     found: dict[str, tuple[int, ...]]) -> None:
+        """CheckpointError naming the first missing/unexpected key and shape mismatch."""
+        strategy = self._run.strategy
+        expected = {k: tuple(v.shape) for k, v in
+                    strategy.checkpoint_module(self.models[index]).state_dict().items()}
+        problem = checkpoint.describe_mismatch(expected, found, partial=strategy.partial_model)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} does not match the model: {problem}")
+
+    def _load_sharded(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+        # Written by a sharded strategy: any strategy, at any world size, reads it.
+        from paratrain.checkpoint.sharded import saved_shapes
+
+        directory = Path(path).parent / state["sharded"]
+        if not directory.is_dir():
+            raise CheckpointError(f"checkpoint {path} needs its shard directory {directory}, "
+                                  "which is missing; copy both together")
+        for index in range(len(self.models)):
+            self._check_model(path, index, saved_shapes(directory, index))
+        try:
+            self._run.strategy.load_sharded_state(
+                str(directory), self.models, self.optimizers,
+                flat_optimizer=state.get("optimizer_layout") == "flat")
+        except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
+            raise CheckpointError(f"sharded checkpoint {path} does not match the optimizer "
+                                  f"({type(exc).__name__}: {_reason(exc)})") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """The whole message of ``exc`` on one line (torch's spans several)."""
+    return " ".join(str(exc).split())[:400] or type(exc).__name__
+
+
+def _optimizer_names(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str] | None:
+    """Names of ``optimizer``'s parameters in its state-dict order (None if not all in ``module``)."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    groups = getattr(optimizer, "param_groups", None) or []
+    order = [names.get(id(p)) for group in groups for p in group["params"]]
+    return None if not order or None in order else order
+
+
+def _by_name(path: str | os.PathLike, state: dict[str, Any], names: list[str] | None) -> dict:
+    """A one-file optimizer state (keyed by index) keyed by parameter name instead."""
+    if names is None:
+        raise CheckpointError(
+            f"checkpoint {path} does not record its optimizer's parameter names (written by an "
+            "older paratrain), so a sharded strategy cannot place the optimizer state; "
+            "resume it with strategy 'ddp' or 'single' and save again"
+        )
+    return {"state": {names[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                             for g in state["param_groups"]]}
+
+
+def _prune_sharded(directory: Path) -> None:
+    """Delete shard directories whose small checkpoint file was pruned (or never finished)."""
+    import shutil
+
+    kept = {p.with_suffix(".dcp").name for p in checkpoint.list_checkpoints(directory)}
+    for shard_dir in directory.glob("step-*.dcp"):
+        if shard_dir.is_dir() and shard_dir.name not in kept:
+            shutil.rmtree(shard_dir, ignore_errors=True)

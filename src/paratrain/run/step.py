@@ -1,0 +1,167 @@
+"""The step of ``Run``: backward, accumulation, clipping, the optimizer step and what follows.
+
+Kept apart from :mod:`paratrain.run` (set-up, data, evaluation, checkpoints) so the
+layers of a step read in one place: ``step`` -> ``_optimizer_step`` (accumulate, clip,
+step) -> the after-step hooks (faults, health, periodic save, SIGTERM/SIGINT), with
+``forward``/``backward`` under ``no_sync`` on every micro-step but the last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.run import misuse
+
+
+class TrainStep:
+    """The training-step methods of :class:`paratrain.Run` (which owns every attribute)."""
+
+    def backward(self, loss: torch.Tensor, *, count: torch.Tensor | float | None = None) -> None:
+        """Backward pass of ``loss``, scaled for accumulation and precision.
+
+        Without ``count``, ``loss`` is a mean and the update is the mean over the
+        micro-batches of the accumulation group. With ``count``, ``loss`` is a *sum*
+        over ``count`` elements (tokens, samples, total weight) of this micro-batch,
+        and the update is divided by the count summed over all ranks and micro-steps
+        (see :mod:`paratrain.losses`).
+        """
+        self._counts.add(count)
+        self._backward_in_group = True
+        # The update must be the mean over all micro-batches of the group, so each
+        # micro-batch's loss counts 1/accumulate.
+        if self.config.accumulate > 1 and count is None:
+            loss = loss / self.config.accumulate
+        try:
+            with self._guard_peers(), self._hang.phase("backward"):
+                self.strategy.backward(self.precision.scale_loss(loss))
+        finally:
+            self._count_flops_done()
+        if self._sync_context is not None:
+            self._sync_context.close()
+            self._sync_context = None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """End a micro-step; on the last one of an accumulation group, update the weights.
+
+        Returns True at the end of a group: the optimizer stepped (or, with
+        ``16-mixed``, the scaler skipped an overflowed step; see
+        ``run.precision.skipped_steps``). Gradients are zeroed after it.
+        """
+        self._count_flops_done()  # in case backward bypassed run.backward
+        boundary = self._at_boundary()
+        self._micro_step += 1
+        if not boundary:
+            return False
+        misuse.check_step_has_gradients(backward_called=self._backward_in_group,
+                                        models=self.state.models, optimizer=optimizer)
+        with self._guard_peers(), self._hang.phase("step"):
+            self._optimizer_step(optimizer)
+        return True
+
+    @contextlib.contextmanager
+    def _guard_peers(self) -> Iterator[None]:
+        """Turn a failed collective into a PeerLostError naming the lost rank and host."""
+        try:
+            yield
+        except RuntimeError as exc:
+            monitor = getattr(self, "_health", None)
+            if monitor is None or not monitor.is_peer_failure(exc):
+                raise
+            self._peer_lost = True
+            raise monitor.lost_peer_error(exc) from exc
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        group_size = self._micro_step
+        correction = 1.0
+        if self._counts.active:
+            # Summed losses: divide by the global count of the group (all ranks).
+            correction = self._counts.gradient_factor(self.strategy)
+        elif group_size < self.config.accumulate:
+            # Documented rule for a partial group at the end of an epoch: it is
+            # stepped as a smaller batch, i.e. the mean over the micro-batches it has.
+            correction = self.config.accumulate / group_size
+        self._counts.reset()
+        self._backward_in_group = False
+        if correction != 1.0:
+            for model in self.state.models:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(correction)
+        if self.config.max_grad_norm is not None:
+            # The norm must be of the true gradients, so the scaler's factor goes first.
+            self.precision.unscale(optimizer)
+            norms = [self.strategy.clip_grad_norm(m, self.config.max_grad_norm)
+                     for m in self.state.models]
+            self.last_grad_norm = float(torch.stack([n.float() for n in norms]).norm())
+        stepped = self.precision.step(optimizer, lambda: self.strategy.optimizer_step(optimizer))
+        optimizer.zero_grad(set_to_none=True)
+        if stepped:
+            for scheduler in self.state.schedulers:
+                scheduler.step()
+        self._micro_step = 0
+        self.state.global_step += 1
+        self._faults.after_step(self.state.global_step)
+        cursor = self._train_loader.cursor if self._train_loader is not None else None
+        self._health.after_step(global_step=self.state.global_step,
+                                epoch=cursor.epoch if cursor else self.state.epoch,
+                                offset=cursor.offset if cursor else 0)
+        every = self.config.checkpoint_every
+        saved = bool(every and self.state.global_step % every == 0)
+        if saved:
+            self.save()
+        if self._stop.should_stop():
+            # SIGTERM/SIGINT: every rank stops after this same step, with a checkpoint to
+            # resume from.
+            if not saved:
+                self.save()
+            # close() ends the progress bar first, so that it is not redrawn after the line.
+            self.close()
+            self.print(f"paratrain: {self._stop.signal.name} received; saved step "
+                       f"{self.global_step} to {self.config.checkpoint_dir}, exiting")
+            raise SystemExit(self._stop.exit_code)
+
+    def _at_boundary(self) -> bool:
+        if (self._micro_step + 1) % self.config.accumulate == 0:
+            return True
+        # The last batch of the epoch closes the group even if it is not full.
+        loader = self._train_loader
+        return loader is not None and loader.batches_in_epoch >= len(loader)
+
+    def _finish_accumulation(self) -> None:
+        if self._micro_step:
+            # The loop left the epoch mid-group (e.g. a break): drop the partial gradients.
+            for optimizer in self.state.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            self._micro_step = 0
+        self._backward_in_group = False
+        self._counts.reset()
+
+    def _count_flops_done(self) -> None:
+        if self._flop_counter.active:
+            self._flop_counter.stop()
+            self.throughput.flops_per_sample = self._flop_counter.flops_per_sample
+
+    def _wrap_forward(self, model: nn.Module) -> None:
+        original = model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if torch.is_grad_enabled() and model.training:
+                # The first training micro-step (forward to backward) is counted for MFU.
+                self._flop_counter.start(args, kwargs)
+            if (torch.is_grad_enabled() and model.training and self._sync_context is None
+                    and not self._at_boundary()):
+                # Not the last micro-step: forward and backward run inside no_sync so
+                # gradients accumulate locally; the context closes after backward.
+                self._sync_context = contextlib.ExitStack()
+                self._sync_context.enter_context(self.strategy.no_sync(model))
+            # DDP's forward may communicate (buffers)
+            with self._guard_peers(), self._hang.phase("forward"):
+                return self.precision.forward(original, *args, **kwargs)
+
+        model.forward = forward  # type: ignore[method-assign]
+

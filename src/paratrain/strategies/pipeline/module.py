@@ -1,0 +1,207 @@
+"""The module a pipeline rank trains: its stage, driven by a ``torch.distributed.pipelining`` schedule.
+
+Training mode: ``forward`` returns a :class:`~.pipeline_deferred.Deferred`; the
+strategy's ``backward`` calls :meth:`PipelineModule.run_step`, which splits
+the batch into micro-batches and runs one schedule step (forward, loss on the
+last stage, backward) with the recorded loss. Evaluation mode (``eval()`` or
+no grad): ``forward`` runs a forward-only schedule and broadcasts the output
+from the last stage, so every stage returns the real output.
+
+A schedule and its ``PipelineStage`` are built per (batch size, micro-batches)
+because a stage infers the shapes it sends and receives once; every rank of the
+pipeline sees the same batch, so all of them build the same one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.strategies.pipeline.deferred import Deferred, Node, deferred_output, loss_chain
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.bool, torch.uint8)
+_MAX_DIMS = 8
+
+
+@dataclass
+class _Forward:
+    """What ``forward`` recorded: the inputs and the autocast state to replay them in."""
+
+    args: tuple
+    kwargs: dict
+    autocast_dtype: torch.dtype | None
+    module: PipelineModule
+
+
+def microbatches_for(batch_size: int, requested: int) -> int:
+    """The largest number of equal micro-batches <= ``requested`` that divides the batch."""
+    return max(m for m in range(1, min(requested, batch_size) + 1) if batch_size % m == 0)
+
+
+def _split(value: Any, batch_size: int, num_microbatches: int) -> list[Any]:
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
+        return list(torch.tensor_split(value, num_microbatches))
+    return [value] * num_microbatches
+
+
+class PipelineModule(nn.Module):
+    """One pipeline stage plus the schedules that drive it.
+
+    Args:
+        stage_module: this rank's layers (parameter names as in the full model).
+        stage_index: position of the stage, 0 .. num_stages - 1.
+        num_stages: pipeline degree.
+        group: the process group of this pipeline (its rank ``i`` is stage ``i``).
+        device: compute device.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        num_microbatches: micro-batches per step (fewer when the batch does not divide).
+    """
+
+    def __init__(self, stage_module: nn.Module, *, stage_index: int, num_stages: int,
+                 group: dist.ProcessGroup, device: torch.device, schedule: str,
+                 num_microbatches: int) -> None:
+        super().__init__()
+        self.stage_module = stage_module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group = group
+        self.device = device
+        self.schedule_name = schedule
+        self.num_microbatches = num_microbatches
+        self._schedules: dict[tuple, Any] = {}
+        self._step: dict[str, Any] = {}
+        self._last_rank = dist.get_global_rank(group, num_stages - 1)
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training and torch.is_grad_enabled():
+            device_type = self.device.type
+            dtype = (torch.get_autocast_dtype(device_type)
+                     if torch.is_autocast_enabled(device_type) else None)
+            return deferred_output(_Forward(args, kwargs, dtype, self))
+        return self._forward_only(args, kwargs)
+
+    # -- schedules --------------------------------------------------------------
+    def _schedule(self, batch_size: int, num_microbatches: int, train: bool) -> Any:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        # 1F1B needs at least as many micro-batches as stages; GPipe computes the same.
+        one_f_one_b = train and self.schedule_name == "1f1b" and num_microbatches >= self.num_stages
+        key = (batch_size, num_microbatches, train, one_f_one_b)
+        if key not in self._schedules:
+            stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages,
+                                  self.device, group=self.group)
+            cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
+            # scale_grads=False: the schedule would divide the *accumulated* gradients
+            # by m; the loss of each micro-batch is divided instead (see _loss_fn).
+            self._schedules[key] = cls(stage, n_microbatches=num_microbatches,
+                                       loss_fn=self._loss_fn if train else None,
+                                       scale_grads=False)
+        return self._schedules[key]
+
+    def _batch_size(self, args: tuple) -> int:
+        for value in args:
+            if isinstance(value, torch.Tensor) and value.dim() >= 1:
+                return value.shape[0]
+        raise ValueError("a pipeline model's first argument must be a batched tensor")
+
+    def _inputs(self, args: tuple, kwargs: dict, batch_size: int, m: int) -> dict[str, Any]:
+        if not self.is_first:
+            return {}
+        arg_mbs = list(zip(*[_split(a, batch_size, m) for a in args]))
+        kwarg_mbs = [{k: _split(v, batch_size, m)[i] for k, v in kwargs.items()}
+                     for i in range(m)]
+        return {"arg_mbs": arg_mbs, "kwarg_mbs": kwarg_mbs}
+
+    # -- training ---------------------------------------------------------------
+    def run_step(self, loss: Any) -> None:
+        """Run the schedule for the batch behind ``loss`` and resolve the loss chain."""
+        root, chain = loss_chain(loss)
+        recorded: _Forward = root.context
+        batch_size = self._batch_size(recorded.args)
+        m = microbatches_for(batch_size, self.num_microbatches)
+        split: dict[int, list[Any]] = {}
+        for node in chain:
+            for value in (*node.args, *node.kwargs.values()):
+                if isinstance(value, torch.Tensor) and not isinstance(value, Deferred):
+                    split.setdefault(id(value), _split(value, batch_size, m))
+        summed = any(node.kwargs.get("reduction") == "sum" for node in chain)
+        self._step = {"chain": chain, "split": split, "scale": 1.0 if summed else 1.0 / m,
+                      "records": [{} for _ in chain]}
+        schedule = self._schedule(batch_size, m, train=True)
+        autocast = (torch.autocast(self.device.type, dtype=recorded.autocast_dtype)
+                    if recorded.autocast_dtype is not None else torch.autocast(
+                        self.device.type, enabled=False))
+        with autocast:
+            schedule.step(**self._inputs(recorded.args, recorded.kwargs, batch_size, m),
+                          target_mbs=[torch.tensor(i) for i in range(m)], return_outputs=False)
+        self._resolve(chain, summed)
+        self._step = {}
+
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # The "target" is the micro-batch index: the loss's own arguments were split
+        # in run_step. A stage's first step also calls this once to infer shapes;
+        # keying records by index lets the real call for micro-batch 0 overwrite it.
+        index = int(target)
+        step = self._step
+        split = step["split"]
+        value = output
+        for node, records in zip(step["chain"], step["records"]):
+            value = node.call(value, lambda a: split[id(a)][index] if id(a) in split else a)
+            records[index] = value.detach()
+        if value.dim() != 0:
+            raise ValueError("the pipeline loss must be a scalar (reduce it with mean or sum)")
+        # The schedule backpropagates each micro-batch's loss separately; 1/m makes
+        # their sum the gradient of the batch mean.
+        return value * step["scale"]
+
+    def _resolve(self, chain: list[Node], summed: bool) -> None:
+        values = torch.full((len(chain),), float("nan"), dtype=torch.float64, device=self.device)
+        if self.is_last:
+            for i, records in enumerate(self._step["records"]):
+                if records and records[0].dim() == 0:
+                    stacked = torch.stack([r.double() for r in records.values()])
+                    values[i] = stacked.sum() if summed else stacked.mean()
+        if self.num_stages > 1:
+            # Only the last stage computed the loss: every stage reports the same value.
+            dist.broadcast(values, src=self._last_rank, group=self.group)
+        for node, value in zip(chain, values.tolist()):
+            if value == value:  # not NaN: a scalar node of the chain
+                node.value = torch.tensor(value, dtype=torch.float32, device=self.device)
+
+    # -- evaluation ---------------------------------------------------------------
+    @torch.no_grad()
+    def _forward_only(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        batch_size = self._batch_size(args)
+        m = microbatches_for(batch_size, self.num_microbatches)
+        schedule = self._schedule(batch_size, m, train=False)
+        output = schedule.step(**self._inputs(args, kwargs, batch_size, m))
+        if self.num_stages == 1:
+            return output
+        return self._broadcast_output(output)
+
+    def _broadcast_output(self, output: torch.Tensor | None) -> torch.Tensor:
+        meta = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self.device)
+        if self.is_last:
+            if not isinstance(output, torch.Tensor) or output.dim() > _MAX_DIMS:
+                raise ValueError("a pipeline model must return one tensor of at most 8 dims")
+            meta[0], meta[1] = output.dim(), _DTYPES.index(output.dtype)
+            meta[2:2 + output.dim()] = torch.tensor(output.shape)
+        dist.broadcast(meta, src=self._last_rank, group=self.group)
+        ndim, dtype = int(meta[0]), _DTYPES[int(meta[1])]
+        if not self.is_last:
+            output = torch.empty(meta[2:2 + ndim].tolist(), dtype=dtype, device=self.device)
+        dist.broadcast(output, src=self._last_rank, group=self.group)
+        return output

@@ -1,0 +1,247 @@
+"""``pipeline``: the model's layers split into stages, one stage per rank.
+
+Each rank holds only its stage's parameters, gradients and optimizer state.
+A batch is split into micro-batches that flow through the stages under a
+``torch.distributed.pipelining`` schedule: GPipe (all forwards, then all
+backwards) or 1F1B (one forward, one backward in the steady state, so fewer
+activations are alive). Stages idle while the pipeline fills and drains: the
+bubble is ``(p - 1) / (m + p - 1)`` of the step for ``p`` stages and ``m``
+micro-batches.
+
+The user's loop does not change: see :mod:`.pipeline_deferred` for how
+``loss = F.cross_entropy(model(x), y); run.backward(loss)`` becomes one
+schedule step. ``nn.Sequential`` models are split automatically (balanced by
+parameter count) or at ``split_points``.
+
+Every stage reads the same batches: the data-parallel size is the number of
+pipeline replicas (1 here, more under ``hybrid``), not the world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.checkpoint.sharded import (
+    load_full_model_state,
+    load_full_optimizer_state,
+    parameter_names,
+    rebuild_optimizer,
+)
+from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
+from paratrain.distributed.partition import balanced_split
+from paratrain.distributed.topology import Topology
+from paratrain.strategies.base import Strategy
+from paratrain.strategies.pipeline.module import PipelineModule
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """Options of the ``pipeline`` strategy."""
+
+    schedule: str = "1f1b"
+    """``gpipe`` or ``1f1b`` (same gradients; 1F1B keeps fewer activations alive)."""
+
+    num_microbatches: int = 4
+    """Micro-batches per step. More shrinks the bubble but makes each one smaller.
+    A batch that does not divide uses the largest divisor below this number."""
+
+    split_points: tuple[int, ...] | None = None
+    """Indices of the ``nn.Sequential`` children where stages 1.. begin; None
+    balances the stages by parameter count."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(
+                f"num_microbatches must be an integer >= 1, got {self.num_microbatches!r}"
+            )
+        points = self.split_points
+        if points is not None and (
+            not all(isinstance(p, int) and p > 0 for p in points)
+            or list(points) != sorted(set(points))
+        ):
+            raise ValueError(
+                f"split_points must be increasing positive child indices, got {points!r}"
+            )
+
+
+def stage_layers(model: nn.Sequential, num_stages: int, stage_index: int,
+                 split_points: tuple[int, ...] | None) -> nn.Sequential:
+    """This stage's children of ``model``, keeping their names (so checkpoints use full FQNs)."""
+    children = list(model.named_children())
+    if split_points is None:
+        starts = balanced_split([sum(p.numel() for p in c.parameters()) for _, c in children],
+                                num_stages)
+    else:
+        starts = list(split_points)
+        if len(starts) != num_stages - 1 or starts[-1] >= len(children):
+            raise ValueError(
+                f"split_points={tuple(split_points)} must give {num_stages - 1} start indices "
+                f"below {len(children)} for {num_stages} stages"
+            )
+    bounds = [0, *starts, len(children)]
+    lo, hi = bounds[stage_index], bounds[stage_index + 1]
+    return nn.Sequential(OrderedDict(children[lo:hi]))
+
+
+class PipelineStrategy(Strategy):
+    """Split the model into stages over the ranks; micro-batches flow through them.
+
+    Args:
+        topology: this process's place in the job.
+        options: :class:`PipelineOptions`.
+        degrees: the layout; by default one pipeline over all ranks. With
+            ``replicate_degree > 1`` each stage's gradients are also averaged over
+            the replicas (data parallel x pipeline).
+    """
+
+    name = "pipeline"
+    Options = PipelineOptions
+    replicated = False
+
+    def __init__(self, topology: Topology, options: Any = None, *,
+                 degrees: ParallelDegrees | None = None) -> None:
+        super().__init__(topology, options)
+        degrees = degrees or ParallelDegrees(pipeline_degree=topology.world_size)
+        if degrees.shard_degree != 1:
+            raise ValueError(f"shard_degree must be 1 with a pipeline, got {degrees.shard_degree}")
+        self.mesh = ParallelMesh(degrees, topology)
+        self.active = degrees.pipeline_degree > 1
+        self._names: dict[int, str] = {}
+        self._params: dict[str, nn.Parameter] = {}
+        self._sync_disabled = False
+
+    def notice(self) -> str | None:
+        if self.active:
+            return None
+        return "strategy 'pipeline' with one stage: nothing to split, running unpipelined"
+
+    def configure_precision(self, precision: Any) -> None:
+        if precision.mode == "16-mixed" and self.active:
+            # Each stage would check only its own gradients for inf and could skip alone.
+            raise ValueError("precision '16-mixed' is not supported with a pipeline; "
+                             "use 'bf16-mixed'")
+
+    # -- layout ---------------------------------------------------------------------
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.mesh.coords["replicate"]
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.degrees.replicate_degree
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        if self.mesh.degrees.replicate_degree == 1 or not self.active:
+            return None
+        return self.mesh.group("replicate")
+
+    # -- model ------------------------------------------------------------------------
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.topology.device)
+        names = parameter_names(model)
+        if self.active:
+            if not isinstance(model, nn.Sequential):
+                raise ValueError(
+                    f"strategy 'pipeline' splits nn.Sequential models; got {type(model).__name__}. "
+                    "Express the model as nn.Sequential of its blocks"
+                )
+            stages = self.mesh.degrees.pipeline_degree
+            stage = stage_layers(model, stages, self.mesh.pipeline_rank, self.options.split_points)
+            model = PipelineModule(stage, stage_index=self.mesh.pipeline_rank, num_stages=stages,
+                                   group=self.mesh.group("pipeline"), device=self.topology.device,
+                                   schedule=self.options.schedule,
+                                   num_microbatches=self.options.num_microbatches)
+        self._names.update(names)
+        self._params.update(dict(self.checkpoint_module(model).named_parameters()))
+        return model
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if not self.active:
+            return optimizer
+        # Only this stage's parameters: the others live (and are updated) on other ranks.
+        return rebuild_optimizer(optimizer, self._names, self._params)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def checkpoint_module(self, model: nn.Module) -> nn.Module:
+        return model.stage_module if isinstance(model, PipelineModule) else model
+
+    @property
+    def partial_model(self) -> bool:
+        return self.active
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        # A one-file (replicated) checkpoint holds every stage: take this stage's entries.
+        load_full_model_state(self.checkpoint_module(model), state, partial=self.active)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict) -> None:
+        load_full_optimizer_state(self.checkpoint_module(model), optimizer, state)
+
+    # -- step -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        if not self.active:
+            loss.backward()
+            return
+        module = self._module_of(loss)
+        module.run_step(loss)
+        if not self._sync_disabled:
+            self._average_gradients(module)
+
+    def _module_of(self, loss: Any) -> PipelineModule:
+        from paratrain.strategies.pipeline.deferred import loss_chain
+
+        root, _ = loss_chain(loss)
+        return root.context.module
+
+    def _average_gradients(self, module: PipelineModule) -> None:
+        if self.data_parallel_size == 1:
+            return
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.data_parallel_group)
+        flat /= self.data_parallel_size
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return self._no_sync()
+
+    @contextlib.contextmanager
+    def _no_sync(self) -> Iterator[None]:
+        # Replicas average gradients only on the last micro-step of an accumulation group.
+        self._sync_disabled = True
+        try:
+            yield
+        finally:
+            self._sync_disabled = False
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.topology.device)
+        for grad in grads:
+            squares += grad.double().pow(2).sum()
+        if self.active:
+            # The global norm covers every stage's gradients.
+            dist.all_reduce(squares, group=self.mesh.group("pipeline"))
+        norm = squares.sqrt().float()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(coef.to(grad.dtype))
+        return norm

@@ -1,0 +1,97 @@
+"""The ``paratrain verify`` command line: flags in, a verdict per layout out."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from paratrain.distributed.spawn import WorkerFailed
+from paratrain.verify.probe import (
+    ProbeSetup,
+    resolve_accelerator,
+)
+from paratrain.verify.runner import (
+    DEFAULT_FACTORIZATIONS,
+    check_tolerance,
+    parse_factorizations,
+    verify,
+)
+
+__all__ = ["build_parser", "main"]
+
+
+def _resolve(spec: str, option: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{option} must be MODULE:FUNCTION, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{option} {spec!r} cannot be imported ({exc}); run from the folder "
+                         "that holds the module or add it to PYTHONPATH") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--factorizations", default=",".join(DEFAULT_FACTORIZATIONS),
+        help="comma-separated WORLDxMICROxACCUM with one global batch (default %(default)s)")
+    add("--steps", type=int, default=3, help="optimizer steps per probe")
+    add("--tolerance", type=float, default=None, help="max relative difference (default by precision)")
+    add("--precision", default="32")
+    add("--accelerator", default="auto",
+        help="auto (CUDA when every process can have a GPU, default), cpu or cuda")
+    add("--strategy", default="ddp", help="strategy for multi-process factorizations")
+    add("--lr", type=float, default=0.05)
+    add("--seed", type=int, default=0)
+    add("--model", default=None, metavar="MODULE:FN", help="model factory (default: demo ConvNet)")
+    add("--data", default=None, metavar="MODULE:FN", help="dataset factory (default: Fashion-MNIST)")
+    add("--loader", default=None, metavar="MODULE:FN", help="loader_fn(run, dataset, micro_batch)")
+    add("--step", default=None, metavar="MODULE:FN", help="step_fn(run, model, batch)")
+    add("--no-dropout", action="store_true", help="turn dropout off in every probe")
+    add("--timeout", type=float, default=120.0, help="seconds per multi-process probe")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``paratrain verify``: print the report; exit 1 if a factorization is flagged."""
+    args = build_parser().parse_args(argv)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # MODULE:FN in the current folder
+    try:
+        # Every argument is checked before any data is read: a bad one fails at once, with
+        # its own message, whether or not the dataset is there.
+        fields: dict[str, Any] = {}
+        for option, name in (("model", "model_fn"), ("data", "data_fn"),
+                             ("loader", "loader_fn"), ("step", "step_fn")):
+            if getattr(args, option):
+                fields[name] = _resolve(getattr(args, option), f"--{option}")
+        setup = ProbeSetup(num_steps=args.steps, lr=args.lr, seed=args.seed,
+                           precision=args.precision, strategy=args.strategy,
+                           accelerator=args.accelerator,
+                           timeout_s=args.timeout, **fields)
+        factorizations = parse_factorizations(args.factorizations.split(","))
+        check_tolerance(setup, args.tolerance)
+        resolve_accelerator(setup.accelerator, factorizations)
+        if "data_fn" not in fields:
+            from paratrain.datasets.images import find_fashion_mnist
+
+            find_fashion_mnist()
+        report = verify(setup, factorizations=factorizations, tolerance=args.tolerance,
+                        no_dropout=args.no_dropout)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"paratrain verify: {exc}", file=sys.stderr)
+        return 2
+    except WorkerFailed as exc:
+        print(f"paratrain verify: a multi-process probe failed: {exc}", file=sys.stderr)
+        return 2
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
