@@ -14,7 +14,7 @@ import torch
 
 from paratrain.launch import launcher as launch
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def parse(*argv):

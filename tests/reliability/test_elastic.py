@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TRAIN = str(Path(__file__).parent / "scripts" / "fault_train.py")
+TRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "fault_train.py")
 pytestmark = pytest.mark.slow
 
 

@@ -26,7 +26,7 @@ import torch
 from paratrain.distributed.device import free_port
 from paratrain.reliability.health import first_divergent
 
-SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TRAIN = str(SCRIPTS / "fault_train.py")
 LIMIT_S = 10.0
 CLI = [sys.executable, "-m", "paratrain.cli"]
