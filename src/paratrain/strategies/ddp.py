@@ -64,8 +64,8 @@ class DDPStrategy(Strategy):
     name = "ddp"
     Options = DDPOptions
 
-    def __init__(self, topology, options=None) -> None:
-        super().__init__(topology, options)
+    def __init__(self, topology, options=None, *, timeout_s: float = 300.0) -> None:
+        super().__init__(topology, options, timeout_s=timeout_s)
         self._wrapped: list[DistributedDataParallel] = []
 
     def setup_model(self, model: nn.Module) -> nn.Module:
