@@ -43,6 +43,12 @@ from paratrain.run.reporting import MetricsLog, Reporter
 from paratrain.run.state import RunState
 from paratrain.run.step import TrainStep
 from paratrain.strategies import create_strategy
+from paratrain.strategies.capabilities import (
+    PrecisionPolicy,
+    ServerRole,
+    evaluation_batches,
+    strategy_metrics,
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -75,9 +81,8 @@ class Run(TrainStep):
         self._owns_group = init_process_group(self.topology, timeout_s=self.config.timeout_s)
         try:
             self.strategy = create_strategy(
-                self.config.strategy, self.topology, self.config.strategy_options
-            )
-            self.strategy.timeout_s = self.config.timeout_s
+                self.config.strategy, self.topology, self.config.strategy_options,
+                timeout_s=self.config.timeout_s)
             misuse.check_ps_servers(self.strategy.name,
                                     os.environ if environ is None else environ)
         except BaseException:
@@ -85,7 +90,8 @@ class Run(TrainStep):
             raise
         self.precision = Precision(self.config.precision, self.topology.device.type)
         try:
-            self.strategy.configure_precision(self.precision)
+            if isinstance(self.strategy, PrecisionPolicy):
+                self.strategy.configure_precision(self.precision)
             # Once, cheaply: a node started with other settings fails here, not mid-run.
             self._health = health.HealthMonitor(topology=self.topology,
                                                 every=health.health_every())
@@ -112,7 +118,7 @@ class Run(TrainStep):
         self.reporter = Reporter(
             is_main=self.topology.is_main, show_progress=self.config.progress, metrics=metrics
         )
-        notice = getattr(self.strategy, "notice", lambda: None)()
+        notice = self.strategy.notice()
         if notice:
             self.print(notice)
         peak = device_peak_flops(device=self.device, precision=self.config.precision,
@@ -184,7 +190,7 @@ class Run(TrainStep):
             model = self.strategy.setup_model(model)
             if optimizer is not None:
                 optimizer = self.strategy.setup_optimizer(optimizer)
-        if self.strategy.serve(model, optimizer):
+        if isinstance(self.strategy, ServerRole) and self.strategy.serve(model, optimizer):
             # A non-training role (parameter server) finished its work: leave cleanly.
             self.close()
             raise SystemExit(0)
@@ -253,7 +259,7 @@ class Run(TrainStep):
             self._epoch_start = (self.state.start_epoch(epoch), time.perf_counter())
             yield epoch
             self._finish_accumulation()
-            stats = {"epoch": epoch, **self.epoch_throughput(), **self.strategy.metrics()}
+            stats = {"epoch": epoch, **self.epoch_throughput(), **strategy_metrics(self.strategy)}
             self.epoch_stats.append(stats)
             self.reporter.log(stats, step=self.global_step)
             self.state.epoch = epoch + 1
@@ -299,7 +305,7 @@ class Run(TrainStep):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         # Sharded strategies run uncounted stand-in batches so every rank's forward
         # (which communicates) runs equally often.
-        for (x, y), counted in self.strategy.evaluation_batches(loader):
+        for (x, y), counted in evaluation_batches(self.strategy, loader):
             out = self.precision.forward(module, x)
             if not counted:
                 continue

@@ -137,6 +137,11 @@ def evaluation_batches(strategy: Strategy, batches: Iterable[Any]) -> Iterator[t
     return ((batch, True) for batch in batches)
 
 
+def strategy_metrics(strategy: Strategy) -> dict[str, Any]:
+    """The strategy's own epoch metrics (:class:`ReportsMetrics`), else none."""
+    return strategy.metrics() if isinstance(strategy, ReportsMetrics) else {}
+
+
 def contract_members(cls: type) -> set[str]:
     """The public members ``cls`` must provide: the core's and its capabilities'."""
     from paratrain.strategies.base import Strategy
