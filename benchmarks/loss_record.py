@@ -26,6 +26,7 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.spawn import spawn
+from paratrain.strategies.capabilities import local_module
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 # name -> (processes, Run keyword arguments)
@@ -54,7 +55,7 @@ def mlp() -> nn.Sequential:
 def local_digest(run: paratrain.Run, model: nn.Module) -> str:
     """sha256 of this rank's local parameter bytes (DTensor shards as held)."""
     digest = hashlib.sha256()
-    state = run.strategy.checkpoint_module(model).state_dict()
+    state = local_module(run.strategy, model).state_dict()
     for name in sorted(state):
         value = state[name]
         local = value.to_local() if hasattr(value, "to_local") else value

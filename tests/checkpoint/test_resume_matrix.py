@@ -22,6 +22,7 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.spawn import spawn
+from paratrain.strategies.capabilities import local_module
 from paratrain.testing.reference import synthetic_classification
 
 GLOBAL_BATCH, NUM_SAMPLES, EPOCHS, STOP_AT = 8, 24, 2, 2  # 3 steps per epoch
@@ -50,7 +51,7 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
 
 def local_state(run, model) -> dict[str, torch.Tensor]:
     """This rank's parameters (its shard or stage), as plain tensors."""
-    state = run.strategy.checkpoint_module(model).state_dict()
+    state = local_module(run.strategy, model).state_dict()
     return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
             for k, v in state.items()}
 
@@ -59,7 +60,7 @@ def full_state(run, model, optimizer) -> dict[str, torch.Tensor]:
     """Unsharded parameters and optimizer tensors of all ranks, by name (collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    module = run.strategy.checkpoint_module(model)
+    module = local_module(run.strategy, model)
     state = {f"param.{k}": v for k, v in module.state_dict().items()}
     options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
     state.update(get_optimizer_state_dict(module, optimizer, options=options))

@@ -12,6 +12,7 @@ import paratrain
 from paratrain.distributed.process_group import destroy_process_group
 from paratrain.distributed.spawn import WorkerFailed, spawn
 from paratrain.distributed.topology import Topology
+from paratrain.strategies.capabilities import local_module
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +54,7 @@ def train(strategy, batch_size, *, compile_model=False, num_steps=4):
     loader = run.loader(synthetic_classification(96), batch_size=batch_size)
     losses = train_steps(run, model, optimizer, loader, num_steps=num_steps)
     params = {k.removeprefix("_orig_mod."): v.detach().cpu()
-              for k, v in run.strategy.checkpoint_module(model).state_dict().items()}
+              for k, v in local_module(run.strategy, model).state_dict().items()}
     placement = (str(run.device), run.topology.backend, run.topology.shares_device)
     run.close()
     return params, losses, placement

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from paratrain.strategies.capabilities import local_module
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +29,7 @@ def run_steps(strategy, *, precision="32", num_steps=4, num_epochs=1, mean_losse
     losses = train_steps(run, model, optimizer, loader, num_steps=num_steps,
                          num_epochs=num_epochs, mean_losses=mean_losses)
     params = {k: v.detach().float().cpu()
-              for k, v in run.strategy.checkpoint_module(model).state_dict().items()}
+              for k, v in local_module(run.strategy, model).state_dict().items()}
     run.close()
     return params, losses
 

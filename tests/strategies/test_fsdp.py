@@ -6,6 +6,7 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.spawn import spawn
+from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
 from paratrain.testing.reference import synthetic_classification, train_steps
 
@@ -22,8 +23,9 @@ def mlp():
 
 
 def full_params(run, model):
-    full = getattr(run.strategy, "full_state_dict", None)
-    state = full(model) if full else run.strategy.unwrap(model).state_dict()
+    strategy = run.strategy
+    state = (strategy.full_state_dict(model) if isinstance(strategy, ShardedState)
+             else strategy.unwrap(model).state_dict())
     return {k: v.detach().clone() for k, v in state.items()}
 
 

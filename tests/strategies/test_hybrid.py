@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
+from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.hybrid import HybridOptions
 from paratrain.testing.reference import train_steps
 
@@ -34,8 +35,9 @@ def train(strategy, batch_size, options=None, num_steps=4):
     loader = run.loader(dataset(), batch_size=batch_size)
     losses = train_steps(run, model, optimizer, loader, num_steps=num_steps,
                          num_epochs=1)
-    full = getattr(run.strategy, "full_state_dict", lambda m: None)(model)
-    state = full if full is not None else run.strategy.checkpoint_module(model).state_dict()
+    strategy = run.strategy
+    state = (strategy.full_state_dict(model) if isinstance(strategy, ShardedState)
+             else strategy.unwrap(model).state_dict())
     params = {k: v.detach().clone() for k, v in state.items()}
     layout = (run.strategy.data_parallel_size, run.strategy.data_parallel_rank)
     run.close()

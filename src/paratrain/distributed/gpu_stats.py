@@ -18,6 +18,8 @@ from contextlib import suppress
 
 import torch
 
+from paratrain.distributed import _compat
+
 #: What a report shows for GPU utilisation when NVML's Python binding is not installed.
 NVML_MISSING = "n/a (install nvidia-ml-py)"
 
@@ -61,7 +63,7 @@ def nvml_index(device: torch.device, environ: dict[str, str] | None = None) -> i
     items = [v.strip() for v in visible.split(",") if v.strip()]
     if all(v.isdigit() for v in items):
         return int(items[index])
-    return int(torch.cuda._get_nvml_device_index(device))  # UUIDs need NVML's own list
+    return _compat.nvml_device_index(device)  # UUIDs need NVML's own list
 
 
 def nvml_reader(device: torch.device) -> tuple[Callable[[], float] | None, str]:

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 import torch.distributed as dist
 
+from paratrain.distributed import _compat
 from paratrain.reliability.collectives import CollectiveRecorder
 
 
@@ -43,14 +44,8 @@ def warn_after_s(timeout_s: float | None, configured_s: float) -> float:
 
 
 def default_store() -> Any:
-    """The job's store (a private c10d accessor, guarded), or None where it is unavailable."""
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if getter is None or not dist.is_initialized():
-        return None
-    try:
-        return getter()
-    except (RuntimeError, ValueError):
-        return None
+    """The job's store, or None where it is unavailable."""
+    return _compat.default_store()
 
 
 def _place(snap: Mapping[str, Any] | None) -> tuple[Any, ...]:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.distributed import _compat
 from paratrain.distributed.topology import Topology
 
 ENV_EVERY = "PARATRAIN_HEALTH_EVERY"
@@ -155,10 +156,7 @@ def _collective_sequence() -> int:
     of collectives are out of step even when their step counters agree. Where a torch
     version lacks it, every rank reports -1 and the other fields are still compared.
     """
-    try:
-        return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
-    except (AttributeError, RuntimeError):
-        return -1
+    return _compat.collective_sequence_number()
 
 
 class HealthMonitor:
@@ -277,7 +275,7 @@ class HealthMonitor:
     def _unanswered_ranks(self, wait_s: float) -> list[int] | None:
         """Ranks that do not write their key within ``wait_s``; None if the store is gone."""
         try:
-            store = dist.PrefixStore("paratrain/alive", dist.distributed_c10d._get_default_store())
+            store = dist.PrefixStore("paratrain/alive", _compat.default_store())
         except (RuntimeError, ValueError, AttributeError):
             return None
         answer: dict[str, list[int]] = {}

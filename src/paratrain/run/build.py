@@ -25,6 +25,7 @@ from paratrain.run.reporting import MetricsLog, Reporter
 from paratrain.settings import Settings
 from paratrain.strategies import create_strategy
 from paratrain.strategies.base import Strategy
+from paratrain.strategies.capabilities import PrecisionPolicy
 
 __all__ = ["RunParts", "build_parts", "guard_peers"]
 
@@ -75,11 +76,12 @@ def build_parts(config: RunConfig, settings: Settings,
     strategy: Strategy | None = None
     monitor_hang: hang.HangMonitor | None = None
     try:
-        strategy = create_strategy(config.strategy, topology, config.strategy_options)
-        strategy.timeout_s = config.timeout_s
+        strategy = create_strategy(config.strategy, topology, config.strategy_options,
+                                   timeout_s=config.timeout_s)
         misuse.check_ps_servers(strategy.name, settings.ps_servers)
         precision = Precision(config.precision, topology.device.type)
-        strategy.configure_precision(precision)
+        if isinstance(strategy, PrecisionPolicy):
+            strategy.configure_precision(precision)
         # Once, cheaply: a node started with other settings fails here, not mid-run.
         monitor = health.HealthMonitor(topology=topology, every=settings.health_every)
         with guard_peers(monitor):

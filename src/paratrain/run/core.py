@@ -39,6 +39,7 @@ from paratrain.run.seeding import seed_everything
 from paratrain.run.state import RunState
 from paratrain.run.step import TrainStep
 from paratrain.settings import Settings
+from paratrain.strategies.capabilities import ServerRole, evaluation_batches, strategy_metrics
 
 
 class Run(TrainStep):
@@ -143,7 +144,7 @@ class Run(TrainStep):
             model = self.strategy.setup_model(model)
             if optimizer is not None:
                 optimizer = self.strategy.setup_optimizer(optimizer)
-        if self.strategy.serve(model, optimizer):
+        if isinstance(self.strategy, ServerRole) and self.strategy.serve(model, optimizer):
             # A non-training role (parameter server) finished its work: leave cleanly.
             self.close()
             raise SystemExit(0)
@@ -212,7 +213,7 @@ class Run(TrainStep):
             self._epoch_start = (self.state.start_epoch(epoch), time.perf_counter())
             yield epoch
             self._finish_accumulation()
-            stats = {"epoch": epoch, **self.epoch_throughput(), **self.strategy.metrics()}
+            stats = {"epoch": epoch, **self.epoch_throughput(), **strategy_metrics(self.strategy)}
             self.epoch_stats.append(stats)
             self.reporter.log(stats, step=self.global_step)
             self.state.epoch = epoch + 1
@@ -258,7 +259,7 @@ class Run(TrainStep):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         # Sharded strategies run uncounted stand-in batches so every rank's forward
         # (which communicates) runs equally often.
-        for (x, y), counted in self.strategy.evaluation_batches(loader):
+        for (x, y), counted in evaluation_batches(self.strategy, loader):
             out = self.precision.forward(module, x)
             if not counted:
                 continue

@@ -14,6 +14,7 @@ from paratrain.checkpoint import files as checkpoint
 from paratrain.checkpoint.files import CheckpointError
 from paratrain.data.loader import DataCursor, DistributedLoader
 from paratrain.run.seeding import seed_everything
+from paratrain.strategies.capabilities import ShardedState, local_module
 
 if TYPE_CHECKING:
     from paratrain.config import RunConfig
@@ -135,7 +136,7 @@ class RunState:
             "precision": self._precision.state_dict(),
             "rng": self._gather_rng(),
         }
-        if strategy.replicated:
+        if not isinstance(strategy, ShardedState):
             # State dicts may be collective (sharded strategies): every rank calls them.
             state["models"] = [strategy.model_state_dict(m) for m in self.models]
             state["optimizers"] = [
@@ -183,7 +184,7 @@ class RunState:
                                       f"({_reason(exc)})") from None
         for index, (optimizer, optimizer_state) in enumerate(
                 zip(self.optimizers, state["optimizers"])):
-            if not strategy.replicated:
+            if isinstance(strategy, ShardedState):
                 optimizer_state = _by_name(path, optimizer_state,
                                            state.get("optimizer_params", [None])[index])
             try:
@@ -212,14 +213,15 @@ class RunState:
         """CheckpointError naming the first missing/unexpected key and shape mismatch."""
         strategy = self._strategy
         expected = {k: tuple(v.shape) for k, v in
-                    strategy.checkpoint_module(self.models[index]).state_dict().items()}
-        problem = checkpoint.describe_mismatch(expected, found, partial=strategy.partial_model)
+                    local_module(strategy, self.models[index]).state_dict().items()}
+        partial = isinstance(strategy, ShardedState) and strategy.partial_model
+        problem = checkpoint.describe_mismatch(expected, found, partial=partial)
         if problem:
             raise CheckpointError(f"checkpoint {path} does not match the model: {problem}")
 
     def _load_sharded(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
         # Written by a sharded strategy: any strategy, at any world size, reads it.
-        from paratrain.checkpoint.sharded import saved_shapes
+        from paratrain.checkpoint.sharded import load_sharded, saved_shapes
 
         directory = Path(path).parent / state["sharded"]
         if not directory.is_dir():
@@ -227,10 +229,16 @@ class RunState:
                                   "which is missing; copy both together")
         for index in range(len(self.models)):
             self._check_model(path, index, saved_shapes(directory, index))
+        strategy = self._strategy
+        flat = state.get("optimizer_layout") == "flat"
         try:
-            self._strategy.load_sharded_state(
-                str(directory), self.models, self.optimizers,
-                flat_optimizer=state.get("optimizer_layout") == "flat")
+            if isinstance(strategy, ShardedState):
+                strategy.load_sharded_state(str(directory), self.models, self.optimizers,
+                                            flat_optimizer=flat)
+            else:
+                # A replicated strategy reads every shard into its whole model.
+                load_sharded(str(directory), [strategy.unwrap(m) for m in self.models],
+                             self.optimizers, flat=flat)
         except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
             raise CheckpointError(f"sharded checkpoint {path} does not match the optimizer "
                                   f"({type(exc).__name__}: {_reason(exc)})") from None

@@ -44,8 +44,10 @@ def resolve_name(name: str, topology: Topology) -> str:
     return name
 
 
-def create_strategy(name: str, topology: Topology, options: dict[str, Any] | None = None) -> Strategy:
-    """Build the strategy ``name`` with its options validated by its ``Options`` dataclass."""
+def create_strategy(name: str, topology: Topology, options: dict[str, Any] | None = None, *,
+                    timeout_s: float = 300.0) -> Strategy:
+    """Build the strategy ``name`` with its options validated by its ``Options`` dataclass;
+    ``timeout_s`` bounds every wait for a peer."""
     cls = strategy_class(resolve_name(name, topology))
     options = dict(options or {})
     known = {f.name for f in dataclasses.fields(cls.Options)}
@@ -55,7 +57,7 @@ def create_strategy(name: str, topology: Topology, options: dict[str, Any] | Non
             f"strategy_options has unknown field(s) {unknown} for strategy {cls.name!r}; "
             f"known: {sorted(known) or 'none'}"
         )
-    return cls(topology, cls.Options(**options))
+    return cls(topology, cls.Options(**options), timeout_s=timeout_s)
 
 
 __all__ = ["Strategy", "available_strategies", "create_strategy", "resolve_name", "strategy_class"]

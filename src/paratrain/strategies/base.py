@@ -1,13 +1,15 @@
-"""The narrow interface every parallel strategy implements.
+"""The core contract every parallel strategy implements.
 
-The training loop only ever talks to this interface, so adding a strategy
-(parameter server, FSDP, pipeline, ...) never changes the loop.
+The training loop only ever talks to this contract, so adding a strategy
+(parameter server, FSDP, pipeline, ...) never changes the loop. What only some
+strategies do (sharded checkpoints, a server role, lockstep evaluation, a
+precision policy, metrics of their own) is declared with the small mix-ins of
+:mod:`paratrain.strategies.capabilities` and asked for with ``isinstance``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,23 +28,32 @@ class NoOptions:
 
 
 class Strategy:
-    """Base class: one process, no communication. Subclasses override what differs.
+    """The core contract, with the defaults of one process without communication.
+
+    Subclasses override what differs and inherit capability mix-ins for the rest.
 
     Args:
         topology: the process's place in the job, validated already.
         options: the strategy's own options dataclass (``Options``).
+        timeout_s: seconds to wait for a peer before failing (``RunConfig.timeout_s``).
     """
 
     name: ClassVar[str] = "base"
     Options: ClassVar[type] = NoOptions
-    replicated: ClassVar[bool] = True
-    """Every data-parallel rank holds the full model: rank 0 alone writes checkpoints."""
-    timeout_s: float = 300.0
-    """Seconds to wait for a peer before failing; the Run sets it from ``RunConfig.timeout_s``."""
+    CONFIGURATION: ClassVar[tuple[str, ...]] = ("name", "Options", "CONFIGURATION")
+    """Class-level settings: not members a strategy implements."""
 
-    def __init__(self, topology: Topology, options: Any = None) -> None:
+    def __init__(self, topology: Topology, options: Any = None, *,
+                 timeout_s: float = 300.0) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
         self.topology = topology
         self.options = options if options is not None else self.Options()
+        self.timeout_s = timeout_s
+
+    def notice(self) -> str | None:
+        """One line the run prints at start (e.g. a fallback to ``single``), or None."""
+        return None
 
     # -- data-parallel layout: which shard of the data this rank reads --------
     @property
@@ -70,18 +81,6 @@ class Strategy:
         """The user's module inside whatever wrapper ``setup_model`` added."""
         return model
 
-    def configure_precision(self, precision: Any) -> None:
-        """Adopt the run's :class:`~paratrain.precision.Precision` (e.g. FSDP's dtype policy).
-
-        Called once, before ``setup_model``; raise ValueError for an unsupported mode.
-        """
-
-    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-        """Yield ``(batch, counted)``; strategies with collectives in forward pad with
-        uncounted batches so that every rank runs the same number of forwards."""
-        for batch in batches:
-            yield batch, True
-
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -96,8 +95,9 @@ class Strategy:
         """Clip by the global L2 norm of all gradients; gradients are already synchronised."""
         return nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm)
 
-    # -- checkpoints ----------------------------------------------------------
+    # -- one-file checkpoints (every strategy loads them; replicated ones write them) --
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The model's full state, written by rank 0 (may be collective)."""
         return self.unwrap(model).state_dict()
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
@@ -109,41 +109,9 @@ class Strategy:
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
-        """Load ``optimizer.state_dict()`` layout; strategies that are not ``replicated``
-        receive it keyed by parameter name instead of index."""
+        """Load ``optimizer.state_dict()`` layout; :class:`~paratrain.strategies.capabilities.
+        ShardedState` strategies receive it keyed by parameter name instead of index."""
         optimizer.load_state_dict(state)
-
-    def checkpoint_module(self, model: nn.Module) -> nn.Module:
-        """The module whose (fully-qualified) state a sharded checkpoint stores."""
-        return self.unwrap(model)
-
-    @property
-    def partial_model(self) -> bool:
-        """This rank holds only some of the model's parameters (a pipeline stage)."""
-        return False
-
-    def save_sharded_state(self, directory: str, models: list[nn.Module],
-                           optimizers: list[torch.optim.Optimizer]) -> None:
-        """Write models and optimizers with ``torch.distributed.checkpoint`` (collective).
-
-        Used instead of the single-file path when the strategy is not ``replicated``.
-        """
-        from paratrain.checkpoint.sharded import save_sharded
-
-        save_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
-
-    def load_sharded_state(self, directory: str, models: list[nn.Module],
-                           optimizers: list[torch.optim.Optimizer], *,
-                           flat_optimizer: bool = True) -> None:
-        """Load what :meth:`save_sharded_state` wrote, at any world size (collective).
-
-        ``flat_optimizer`` is False for checkpoints whose optimizer state is nested
-        (written before the flat layout).
-        """
-        from paratrain.checkpoint.sharded import load_sharded
-
-        load_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers,
-                     flat=flat_optimizer)
 
     # -- collectives over the data-parallel group ------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -177,21 +145,6 @@ class Strategy:
         dist.all_gather(parts, blob)
         return torch.stack(parts)
 
-    def notice(self) -> str | None:
-        """One line rank 0 prints once the run is set up (the layout chosen), or None."""
-        return None
-
-    def metrics(self) -> dict[str, Any]:
-        """Strategy-specific values added to each epoch's metrics (rank 0 logs them)."""
-        return {}
-
     # -- lifetime -------------------------------------------------------------
-    def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
-        """Run a non-training role (e.g. a parameter server) to completion.
-
-        Returns True if this rank had such a role and the user's loop must not run.
-        """
-        return False
-
     def teardown(self) -> None:
         """Release wrapped modules and groups so the process group can be destroyed."""

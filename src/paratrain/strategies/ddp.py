@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from paratrain.distributed import _compat
 from paratrain.strategies.base import Strategy
 
 # comm_dtype -> name of the hook in torch.distributed.algorithms.ddp_comm_hooks.default_hooks
@@ -64,8 +65,8 @@ class DDPStrategy(Strategy):
     name = "ddp"
     Options = DDPOptions
 
-    def __init__(self, topology, options=None) -> None:
-        super().__init__(topology, options)
+    def __init__(self, topology, options=None, *, timeout_s: float = 300.0) -> None:
+        super().__init__(topology, options, timeout_s=timeout_s)
         self._wrapped: list[DistributedDataParallel] = []
 
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -102,5 +103,5 @@ class DDPStrategy(Strategy):
     def teardown(self) -> None:
         # Drop the reducers before the process group goes (see runtime.destroy_process_group).
         for ddp in self._wrapped:
-            ddp.reducer = None  # type: ignore[assignment]
+            _compat.release_ddp_reducer(ddp)
         self._wrapped.clear()

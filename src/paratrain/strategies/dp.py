@@ -29,8 +29,8 @@ class DataParallelStrategy(Strategy):
     name = "dp"
     Options = DPOptions
 
-    def __init__(self, topology, options=None) -> None:
-        super().__init__(topology, options)
+    def __init__(self, topology, options=None, *, timeout_s: float = 300.0) -> None:
+        super().__init__(topology, options, timeout_s=timeout_s)
         if topology.is_distributed:
             raise ValueError(
                 "strategy 'dp' runs in one process but the job has "

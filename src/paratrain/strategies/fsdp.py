@@ -31,6 +31,7 @@ from paratrain.checkpoint.sharded import (
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
+from paratrain.strategies.capabilities import LockstepEvaluation, PrecisionPolicy, ShardedState
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -87,7 +88,7 @@ def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module], bool]:
     return policy
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
     """Shard parameters, gradients and optimizer state over the data-parallel ranks.
 
     Args:
@@ -99,11 +100,10 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     Options = FSDPOptions
-    replicated = False
 
-    def __init__(self, topology: Topology, options: Any = None, *,
+    def __init__(self, topology: Topology, options: Any = None, *, timeout_s: float = 300.0,
                  degrees: ParallelDegrees | None = None) -> None:
-        super().__init__(topology, options)
+        super().__init__(topology, options, timeout_s=timeout_s)
         degrees = degrees or ParallelDegrees(shard_degree=topology.world_size)
         if degrees.pipeline_degree != 1:
             raise ValueError(f"pipeline_degree must be 1 for FSDP, got {degrees.pipeline_degree}")
@@ -173,7 +173,7 @@ class FSDPStrategy(Strategy):
 
     def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
         if not self.active:
-            yield from super().evaluation_batches(batches)
+            yield from ((batch, True) for batch in batches)
             return
         yield from lockstep_batches(batches, device=self.topology.device)
 

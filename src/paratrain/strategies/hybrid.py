@@ -12,23 +12,26 @@ Two combinations are supported, chosen by the degrees:
 The degrees are validated once, against the world size, with an error that
 names the bad degree. The work is done by :class:`PipelineStrategy` or
 :class:`FSDPStrategy` on the mesh; this class only builds the layout and
-forwards the :class:`Strategy` interface to them.
+delegates every other member of the contract to that strategy (see
+:func:`~paratrain.strategies.compose.delegate`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
 from paratrain.distributed.mesh import ParallelDegrees
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
+from paratrain.strategies.capabilities import (
+    LockstepEvaluation,
+    PrecisionPolicy,
+    ShardedState,
+    evaluation_batches,
+)
+from paratrain.strategies.compose import delegate
 from paratrain.strategies.fsdp import FSDPOptions, FSDPStrategy
 from paratrain.strategies.pipeline.strategy import PipelineOptions, PipelineStrategy
 
@@ -75,87 +78,51 @@ class HybridOptions:
                                      shard_degree=shard, replicate_degree=self.replicate_degree)
 
 
-class HybridStrategy(Strategy):
+HYBRID_OWN = ("notice", "evaluation_batches")
+"""Contract members hybrid implements itself: everything else is the inner strategy's."""
+
+DELEGATED = (
+    # core
+    "data_parallel_rank", "data_parallel_size", "data_parallel_group",
+    "setup_model", "setup_optimizer", "unwrap", "backward", "optimizer_step", "no_sync",
+    "clip_grad_norm", "model_state_dict", "load_model_state_dict", "optimizer_state_dict",
+    "load_optimizer_state_dict", "all_reduce", "all_gather", "barrier", "gather_rng_states",
+    "teardown",
+    # ShardedState
+    "checkpoint_module", "partial_model", "save_sharded_state", "load_sharded_state",
+    "full_state_dict",
+    # PrecisionPolicy
+    "configure_precision",
+)
+
+
+# Both inner strategies shard state and have a precision policy; FSDP alone evaluates
+# in lockstep, so hybrid's evaluation_batches asks its inner strategy.
+@delegate("inner", DELEGATED)
+class HybridStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation):
     """Data parallel x pipeline, or sharded within a node x replicated across nodes."""
 
     name = "hybrid"
     Options = HybridOptions
 
-    def __init__(self, topology: Topology, options: Any = None) -> None:
-        super().__init__(topology, options)
+    def __init__(self, topology: Topology, options: Any = None, *,
+                 timeout_s: float = 300.0) -> None:
+        super().__init__(topology, options, timeout_s=timeout_s)
         degrees = self.options.degrees(topology)
+        inner: PipelineStrategy | FSDPStrategy
         if degrees.pipeline_degree > 1:
-            inner: Strategy = PipelineStrategy(
-                topology, PipelineOptions(**self.options.pipeline), degrees=degrees)
+            inner = PipelineStrategy(topology, PipelineOptions(**self.options.pipeline),
+                                     timeout_s=timeout_s, degrees=degrees)
         else:
-            inner = FSDPStrategy(topology, FSDPOptions(**self.options.fsdp), degrees=degrees)
+            inner = FSDPStrategy(topology, FSDPOptions(**self.options.fsdp),
+                                 timeout_s=timeout_s, degrees=degrees)
         self.inner = inner
         self.degrees = degrees
-        self.replicated = inner.replicated  # type: ignore[misc]
 
     def notice(self) -> str | None:
         d = self.degrees
         return (f"strategy 'hybrid': pipeline {d.pipeline_degree} x replicate "
                 f"{d.replicate_degree} x shard {d.shard_degree}")
 
-    # Everything below forwards to the strategy that implements the layout.
-    @property
-    def data_parallel_rank(self) -> int:
-        return self.inner.data_parallel_rank
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.inner.data_parallel_size
-
-    @property
-    def data_parallel_group(self) -> dist.ProcessGroup | None:
-        return self.inner.data_parallel_group
-
-    def configure_precision(self, precision: Any) -> None:
-        self.inner.configure_precision(precision)
-
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        return self.inner.setup_model(model)
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        return self.inner.setup_optimizer(optimizer)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return self.inner.unwrap(model)
-
-    def checkpoint_module(self, model: nn.Module) -> nn.Module:
-        return self.inner.checkpoint_module(model)
-
-    @property
-    def partial_model(self) -> bool:
-        return self.inner.partial_model
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        self.inner.load_model_state_dict(model, state)
-
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                                  state: dict) -> None:
-        self.inner.load_optimizer_state_dict(model, optimizer, state)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.inner.backward(loss)
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.inner.optimizer_step(optimizer)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        return self.inner.no_sync(model)
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return self.inner.clip_grad_norm(model, max_norm)
-
     def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-        return self.inner.evaluation_batches(batches)
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """The unsharded model state (HSDP only; a pipeline stage holds only its layers)."""
-        full = getattr(self.inner, "full_state_dict", None)
-        return full(model) if full is not None else None
-
-    def teardown(self) -> None:
-        self.inner.teardown()
+        return evaluation_batches(self.inner, batches)

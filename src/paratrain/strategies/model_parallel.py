@@ -60,8 +60,8 @@ class ModelParallelStrategy(Strategy):
     name = "mp"
     Options = ModelParallelOptions
 
-    def __init__(self, topology, options=None) -> None:
-        super().__init__(topology, options)
+    def __init__(self, topology, options=None, *, timeout_s: float = 300.0) -> None:
+        super().__init__(topology, options, timeout_s=timeout_s)
         if topology.is_distributed:
             raise ValueError(
                 "strategy 'mp' runs in one process but the job has "

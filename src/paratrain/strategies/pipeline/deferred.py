@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+
+from paratrain.distributed._compat import make_tensor_subclass, tree_map
 
 _READ_OUT = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__float__,
              torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__format__,
@@ -82,7 +83,7 @@ class Deferred(torch.Tensor):
     @staticmethod
     def __new__(cls, node: Node) -> Deferred:
         # The placeholder answers metadata queries (dtype, device) during recording.
-        tensor = torch.Tensor._make_subclass(cls, torch.zeros(()), False)
+        tensor = make_tensor_subclass(cls, torch.zeros(()), False)
         tensor._node = node
         return tensor
 

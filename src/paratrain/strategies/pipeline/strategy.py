@@ -39,6 +39,7 @@ from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.partition import balanced_split
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
+from paratrain.strategies.capabilities import PrecisionPolicy, ShardedState
 from paratrain.strategies.pipeline.module import PipelineModule
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -95,7 +96,7 @@ def stage_layers(model: nn.Sequential, num_stages: int, stage_index: int,
     return nn.Sequential(OrderedDict(children[lo:hi]))
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy):
     """Split the model into stages over the ranks; micro-batches flow through them.
 
     Args:
@@ -108,11 +109,10 @@ class PipelineStrategy(Strategy):
 
     name = "pipeline"
     Options = PipelineOptions
-    replicated = False
 
-    def __init__(self, topology: Topology, options: Any = None, *,
+    def __init__(self, topology: Topology, options: Any = None, *, timeout_s: float = 300.0,
                  degrees: ParallelDegrees | None = None) -> None:
-        super().__init__(topology, options)
+        super().__init__(topology, options, timeout_s=timeout_s)
         degrees = degrees or ParallelDegrees(pipeline_degree=topology.world_size)
         if degrees.shard_degree != 1:
             raise ValueError(f"shard_degree must be 1 with a pipeline, got {degrees.shard_degree}")
@@ -183,6 +183,18 @@ class PipelineStrategy(Strategy):
     @property
     def partial_model(self) -> bool:
         return self.active
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every stage's state, in stage order, on every rank (collective over the pipeline)."""
+        local = {k: v.detach().clone() for k, v in self.checkpoint_module(model).state_dict().items()}
+        if not self.active:
+            return local
+        # Pickled through CPU: a stage's tensors must not name another rank's device.
+        parts: list[Any] = [None] * self.mesh.degrees.pipeline_degree
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()},
+                               group=self.mesh.group("pipeline"))
+        device = self.topology.device
+        return {k: v.to(device) for part in parts for k, v in part.items()}
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         # A one-file (replicated) checkpoint holds every stage: take this stage's entries.

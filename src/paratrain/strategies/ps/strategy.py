@@ -34,6 +34,7 @@ from torch import nn
 
 from paratrain.settings import Settings
 from paratrain.strategies.base import Strategy
+from paratrain.strategies.capabilities import ReportsMetrics, ServerRole
 from paratrain.strategies.ps.protocol import FlatLayout
 from paratrain.strategies.ps.server import ParameterServer
 from paratrain.strategies.ps.worker import PSStats, WorkerClient
@@ -98,14 +99,14 @@ def resolve_num_servers(options: PSOptions, environ: Mapping[str, str]) -> int:
     return Settings.from_environ(environ).ps_servers or 1
 
 
-class PSStrategy(Strategy):
+class PSStrategy(Strategy, ServerRole, ReportsMetrics):
     """Workers push gradients to server ranks, which own parameters and optimizer state."""
 
     name = "ps"
     Options = PSOptions
 
-    def __init__(self, topology, options=None) -> None:
-        super().__init__(topology, options)
+    def __init__(self, topology, options=None, *, timeout_s: float = 300.0) -> None:
+        super().__init__(topology, options, timeout_s=timeout_s)
         self.num_servers = resolve_num_servers(self.options, os.environ)
         world = topology.world_size
         if world <= self.num_servers:

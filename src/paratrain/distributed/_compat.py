@@ -1,0 +1,94 @@
+"""Every private torch API paratrain uses, in one place, each behind a guard.
+
+Private APIs change between torch releases without notice. Keeping them here means a
+torch upgrade that removes one breaks a single function, which then either degrades
+(returns "unknown") or raises one line naming the API and the torch version, instead
+of an AttributeError deep in a training step. ``tests/distributed/test_compat.py``
+exercises each function on the installed torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "TORCH_VERSION", "collective_sequence_number", "default_store", "make_tensor_subclass",
+    "nvml_device_index", "release_ddp_reducer", "tree_map",
+]
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = (text.split("+")[0].split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+#: ``(major, minor)`` of the installed torch.
+TORCH_VERSION = _version(torch.__version__)
+
+
+def _missing(api: str) -> RuntimeError:
+    return RuntimeError(f"torch {torch.__version__} lacks {api}, which paratrain needs here; "
+                        "install a torch version paratrain supports (>= 2.6)")
+
+
+def collective_sequence_number() -> int:
+    """How many collectives the default group has issued on this rank; -1 if unknown.
+
+    There is no public API for it. Where a torch version lacks the private one, every
+    rank reports -1, so comparisons across ranks still agree.
+    """
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        return int(group._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError, ValueError):
+        return -1
+
+
+def default_store() -> Any:
+    """The job's key-value store, or None where it is unavailable (no group, old torch)."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None or not dist.is_initialized():
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def release_ddp_reducer(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Drop a DDP module's reducer, which holds the process group alive.
+
+    Without it, destroying the group while a wrapped model is still referenced leaves a
+    reducer pointing at a freed communicator (see ``process_group.destroy_process_group``).
+    """
+    if hasattr(ddp, "reducer"):
+        ddp.reducer = None  # type: ignore[assignment]
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to every leaf of nested lists/tuples/dicts (torch's pytree)."""
+    try:
+        from torch.utils._pytree import tree_map as torch_tree_map
+    except ImportError:
+        raise _missing("torch.utils._pytree.tree_map") from None
+    return torch_tree_map(fn, tree)
+
+
+def make_tensor_subclass(cls: type, data: torch.Tensor, requires_grad: bool = False) -> Any:
+    """An instance of the tensor subclass ``cls`` sharing ``data``'s storage."""
+    make = getattr(torch.Tensor, "_make_subclass", None)
+    if make is None:
+        raise _missing("torch.Tensor._make_subclass")
+    return make(cls, data, requires_grad)
+
+
+def nvml_device_index(device: torch.device) -> int:
+    """NVML's index of a CUDA device named by UUID in ``CUDA_VISIBLE_DEVICES``."""
+    lookup = getattr(torch.cuda, "_get_nvml_device_index", None)
+    if lookup is None:
+        raise _missing("torch.cuda._get_nvml_device_index")
+    return int(lookup(device))

@@ -1,0 +1,157 @@
+"""Optional capabilities of a strategy, each a small abstract mix-in.
+
+The core :class:`~paratrain.strategies.base.Strategy` is what every strategy
+does. What only some strategies do is declared by inheriting one of these
+classes, and callers ask with ``isinstance(strategy, Capability)``, never by
+the concrete strategy class nor by probing for attributes:
+
+* :class:`ShardedState`: no rank holds the whole model, checkpoints are written
+  by every rank through ``torch.distributed.checkpoint`` (``fsdp``,
+  ``pipeline``, ``hybrid``).
+* :class:`ServerRole`: some ranks serve instead of training (``ps``).
+* :class:`LockstepEvaluation`: forward is collective, so evaluation pads with
+  uncounted batches (``fsdp``).
+* :class:`PrecisionPolicy`: the strategy adopts the run's precision itself
+  (``fsdp``'s dtype policy) or refuses modes it cannot honour.
+* :class:`ReportsMetrics`: values added to each epoch's metrics (``ps``).
+
+Example:
+    >>> from paratrain.strategies.capabilities import ShardedState
+    >>> if isinstance(run.strategy, ShardedState):  # doctest: +SKIP
+    ...     state = run.strategy.full_state_dict(model)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from paratrain.precision import Precision
+    from paratrain.strategies.base import Strategy
+
+
+class ShardedState(ABC):
+    """Each rank holds part of the model or its state; checkpoints are sharded.
+
+    The defaults suit a strategy whose wrapped module keeps the user's names
+    (FSDP's DTensors); a pipeline stage overrides :meth:`checkpoint_module` and
+    :attr:`partial_model`.
+    """
+
+    def checkpoint_module(self, model: nn.Module) -> nn.Module:
+        """The module whose (fully-qualified) state a sharded checkpoint stores."""
+        return self.unwrap(model)  # type: ignore[attr-defined]
+
+    @property
+    def partial_model(self) -> bool:
+        """This rank holds only some of the model's parameters (a pipeline stage)."""
+        return False
+
+    def save_sharded_state(self, directory: str, models: list[nn.Module],
+                           optimizers: list[torch.optim.Optimizer]) -> None:
+        """Write models and optimizers with ``torch.distributed.checkpoint`` (collective)."""
+        from paratrain.checkpoint.sharded import save_sharded
+
+        save_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
+
+    def load_sharded_state(self, directory: str, models: list[nn.Module],
+                           optimizers: list[torch.optim.Optimizer], *,
+                           flat_optimizer: bool = True) -> None:
+        """Load what :meth:`save_sharded_state` wrote, at any world size (collective).
+
+        ``flat_optimizer`` is False for checkpoints whose optimizer state is nested
+        (written before the flat layout).
+        """
+        from paratrain.checkpoint.sharded import load_sharded
+
+        load_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers,
+                     flat=flat_optimizer)
+
+    @abstractmethod
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's state on every rank (collective), e.g. to export it."""
+
+
+class ServerRole(ABC):
+    """Some ranks run a non-training role (a parameter server) instead of the loop."""
+
+    @abstractmethod
+    def serve(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Run this rank's non-training role to completion, if it has one.
+
+        Called by ``run.prepare`` after setup on every rank. Returns True if this rank
+        served and the user's loop must not run.
+        """
+
+
+class LockstepEvaluation(ABC):
+    """Forward is collective: every rank must run the same number of forwards."""
+
+    @abstractmethod
+    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        """Yield ``(batch, counted)``, padding with uncounted batches so that every rank
+        runs as many forwards as the rank with the most batches."""
+
+
+class PrecisionPolicy(ABC):
+    """The strategy applies the run's precision itself or restricts the modes."""
+
+    @abstractmethod
+    def configure_precision(self, precision: Precision) -> None:
+        """Adopt ``precision``; called once, before ``setup_model``.
+
+        Raises ValueError for a mode the strategy cannot honour.
+        """
+
+
+class ReportsMetrics(ABC):
+    """The strategy has values of its own for each epoch's metrics."""
+
+    @abstractmethod
+    def metrics(self) -> dict[str, Any]:
+        """Values added to the epoch's metrics (rank 0 logs them)."""
+
+
+CAPABILITIES: tuple[type, ...] = (ShardedState, ServerRole, LockstepEvaluation, PrecisionPolicy,
+                                  ReportsMetrics)
+"""Every optional capability, for tools that list what a strategy offers."""
+
+
+def local_module(strategy: Strategy, model: nn.Module) -> nn.Module:
+    """This rank's module as a checkpoint stores it: its shard or stage, else the whole
+    unwrapped model."""
+    if isinstance(strategy, ShardedState):
+        return strategy.checkpoint_module(model)
+    return strategy.unwrap(model)
+
+
+def evaluation_batches(strategy: Strategy, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """``(batch, counted)`` pairs: padded for :class:`LockstepEvaluation`, else all counted."""
+    if isinstance(strategy, LockstepEvaluation):
+        return strategy.evaluation_batches(batches)
+    return ((batch, True) for batch in batches)
+
+
+def strategy_metrics(strategy: Strategy) -> dict[str, Any]:
+    """The strategy's own epoch metrics (:class:`ReportsMetrics`), else none."""
+    return strategy.metrics() if isinstance(strategy, ReportsMetrics) else {}
+
+
+def contract_members(cls: type) -> set[str]:
+    """The public members ``cls`` must provide: the core's and its capabilities'."""
+    from paratrain.strategies.base import Strategy
+
+    owners = [Strategy, *(c for c in CAPABILITIES if issubclass(cls, c))]
+    return {name for owner in owners for name in vars(owner)
+            if not name.startswith("_") and name not in Strategy.CONFIGURATION}
+
+
+def capabilities_of(strategy: Any) -> tuple[type, ...]:
+    """The capabilities ``strategy`` (instance or class) declares."""
+    cls = strategy if isinstance(strategy, type) else type(strategy)
+    return tuple(c for c in CAPABILITIES if issubclass(cls, c))

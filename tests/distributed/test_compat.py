@@ -1,0 +1,61 @@
+"""The private torch APIs behind paratrain.distributed._compat work on the installed torch,
+and a missing one degrades or fails with one line."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paratrain.distributed import _compat
+from paratrain.distributed.device import free_port
+
+
+def test_version_parsing():
+    assert _compat._version("2.14.1+cu130") == (2, 14)
+    assert _compat._version("2.6.0a0") == (2, 6)
+    assert _compat.TORCH_VERSION >= (2, 6)
+
+
+def test_tree_map_and_tensor_subclass():
+    assert _compat.tree_map(lambda x: x * 2, {"a": [1, (2, 3)]}) == {"a": [2, (4, 6)]}
+
+    class Marker(torch.Tensor):
+        pass
+
+    marked = _compat.make_tensor_subclass(Marker, torch.zeros(()))
+    assert type(marked) is Marker and marked.shape == ()
+
+
+def test_sequence_number_and_store_in_a_group():
+    assert _compat.collective_sequence_number() == -1  # no group yet
+    assert _compat.default_store() is None
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        before = _compat.collective_sequence_number()
+        dist.all_reduce(torch.ones(1))
+        after = _compat.collective_sequence_number()
+        assert after > before >= 0
+        store = _compat.default_store()
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_reducer_is_released():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        _compat.release_ddp_reducer(ddp)
+        assert ddp.reducer is None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_missing_private_api_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "_make_subclass", None)
+    with pytest.raises(RuntimeError, match=r"lacks torch.Tensor._make_subclass.*>= 2.6"):
+        _compat.make_tensor_subclass(torch.Tensor, torch.zeros(()))
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_group")
+    assert _compat.collective_sequence_number() == -1

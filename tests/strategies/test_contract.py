@@ -1,0 +1,209 @@
+"""The strategy contract, checked for every registered strategy on CPU ranks.
+
+One run per strategy (spawned over gloo ranks when it is multi-process) trains
+two optimizer steps of two micro-steps each and checks, against a
+single-process reference with the same global batch:
+
+(a) the parameters equal the reference where the strategy promises it;
+(c) ``no_sync``: the first micro-step of each group reduces no gradients, the
+    last one does (where there is more than one replica), and the update after
+    leaving ``no_sync`` is the reference's;
+(b) save -> load restores this rank's parameters after they were overwritten;
+(d) teardown: the process group is destroyed and nothing keeps the wrapped
+    model alive once the user drops it.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import paratrain
+from paratrain.distributed.spawn import spawn
+from paratrain.strategies import available_strategies
+from paratrain.strategies.capabilities import ShardedState, contract_members, local_module
+from paratrain.strategies.hybrid import DELEGATED, HYBRID_OWN, HybridStrategy
+from paratrain.testing.reference import synthetic_classification
+
+GLOBAL_BATCH = 8
+ACCUMULATE = 2
+STEPS = 2
+# Profiler event names of collectives that reduce gradients (gloo and the c10d ops).
+GRADIENT_REDUCTIONS = ("allreduce", "all_reduce", "reduce_scatter", "reducescatter")
+
+
+@dataclass(frozen=True)
+class Promise:
+    """What a strategy promises in this configuration, and why."""
+
+    processes: int
+    reason: str
+    options: dict[str, Any] = field(default_factory=dict)
+    servers: int = 0
+    """Ranks that serve instead of training (the parameter server's last ranks)."""
+
+
+PROMISES = {
+    "single": Promise(1, "it is the reference"),
+    "dp": Promise(1, "on CPU there is one device: it runs as single"),
+    "mp": Promise(1, "without two GPUs it runs as single"),
+    "ddp": Promise(2, "gradients averaged over replicas = the global batch's gradient"),
+    "fsdp": Promise(2, "reduce-scattered gradient shards = the averaged gradient, sharded"),
+    "hybrid": Promise(2, "HSDP over one node of 2 processes: FSDP with a 2-D mesh"),
+    "pipeline": Promise(2, "micro-batch gradients summed over the schedule = the batch's",
+                        options={"num_microbatches": 2}),
+    "ps": Promise(2, "sync mode with one worker applies exactly the worker's gradient",
+                  options={"num_servers": 1, "mode": "sync"}, servers=1),
+}
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+def plain(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+            for k, v in state.items()}
+
+
+def whole_model(strategy, model) -> dict[str, torch.Tensor]:
+    if isinstance(strategy, ShardedState):
+        return plain(strategy.full_state_dict(model))
+    return plain(strategy.unwrap(model).state_dict())
+
+
+def reductions(prof) -> int:
+    return sum(1 for e in prof.events() if any(r in e.name.lower() for r in GRADIENT_REDUCTIONS))
+
+
+def train_and_check(name: str, options: dict[str, Any], directory: str) -> dict[str, Any]:
+    run = paratrain.Run(strategy=name, strategy_options=options, progress=False,
+                        accelerator="cpu", seed=7, accumulate=ACCUMULATE)
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    try:
+        model, optimizer = run.prepare(model, optimizer)
+    except SystemExit:  # a server rank served until the workers closed their runs
+        return {"server": True, "group_left": dist.is_initialized()}
+    strategy = run.strategy
+    batch = GLOBAL_BATCH // strategy.data_parallel_size
+    loader = run.loader(synthetic_classification(64), batch_size=batch)
+    counts = []
+    for _, (x, y) in zip(range(STEPS * ACCUMULATE), loader):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run.backward(F.cross_entropy(model(x), y))
+        counts.append(reductions(prof))
+        run.step(optimizer)
+    params = whole_model(strategy, model)
+    # (b) save, overwrite, load.
+    path = run.save(directory)
+    saved = plain(local_module(strategy, model).state_dict())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    run.load(path or _checkpoint_in(directory))
+    restored = plain(local_module(strategy, model).state_dict())
+    # (d) teardown.
+    wrapped = weakref.ref(model)
+    run.close()
+    group_left = dist.is_initialized()
+    del run, model, optimizer, loader, strategy
+    gc.collect()
+    return {"server": False, "params": params, "counts": counts, "saved": saved,
+            "restored": restored, "group_left": group_left, "model_alive": wrapped() is not None}
+
+
+def _checkpoint_in(directory: str) -> str:
+    from pathlib import Path
+
+    return str(max(Path(directory).glob("step-*.pt")))
+
+
+def contract_worker(rank: int, world_size: int, name: str, options: dict, directory: str):
+    return train_and_check(name, options, directory)
+
+
+@pytest.fixture(scope="module")
+def reference_params(tmp_path_factory):
+    return train_and_check("single", {}, str(tmp_path_factory.mktemp("reference")))["params"]
+
+
+def test_every_registered_strategy_declares_its_promise():
+    assert set(PROMISES) == set(available_strategies())
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.slow] if PROMISES[n].processes > 1 else [])
+    for n in available_strategies()])
+def test_contract(name, reference_params, tmp_path):
+    promise = PROMISES[name]
+    if promise.processes == 1:
+        results = [train_and_check(name, promise.options, str(tmp_path))]
+    else:
+        results = spawn(contract_worker, promise.processes, name, promise.options,
+                        str(tmp_path), timeout=240)
+    workers = [r for r in results if not r["server"]]
+    assert len(workers) == promise.processes - promise.servers
+    for result in results:
+        assert not result["group_left"], "the process group outlived run.close()"
+    for result in workers:
+        # (a) the reference.
+        assert set(result["params"]) == set(reference_params)
+        for key, ref in reference_params.items():
+            torch.testing.assert_close(result["params"][key], ref, atol=1e-5, rtol=1e-5)
+        # (c) no gradient reduction inside no_sync; one at the boundary with replicas.
+        inside, boundary = result["counts"][0::ACCUMULATE], result["counts"][ACCUMULATE - 1::ACCUMULATE]
+        assert inside == [0] * STEPS, f"gradients reduced inside no_sync: {result['counts']}"
+        if name in ("ddp", "fsdp", "hybrid"):
+            assert all(count > 0 for count in boundary), result["counts"]
+        # (b) the round trip.
+        assert result["restored"].keys() == result["saved"].keys()
+        for key, value in result["saved"].items():
+            assert torch.equal(result["restored"][key], value), key
+        # (d) nothing keeps the wrapped model alive.
+        assert not result["model_alive"]
+
+
+def test_hybrid_implements_or_delegates_every_contract_member():
+    members = contract_members(HybridStrategy)
+    assert set(HYBRID_OWN) | set(DELEGATED) == members
+    assert not set(HYBRID_OWN) & set(DELEGATED)
+    # Defined on hybrid itself: none falls back to the base class or a capability default.
+    assert {m for m in members if m not in vars(HybridStrategy)} == set()
+    assert HybridStrategy.DELEGATED == DELEGATED
+
+
+class Recorder:
+    """Stands in for hybrid's inner strategy: records which member was reached."""
+
+    def __init__(self) -> None:
+        self.reached: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.reached.append(name)
+        return (lambda *args, **kwargs: name) if name not in PROPERTIES else name
+
+
+PROPERTIES = {"data_parallel_rank", "data_parallel_size", "data_parallel_group", "partial_model"}
+
+
+def test_hybrid_forwards_each_delegated_member_to_its_inner_strategy():
+    from paratrain.distributed.topology import Topology
+
+    hybrid = HybridStrategy(Topology(), timeout_s=12.0)
+    assert hybrid.inner.timeout_s == 12.0
+    hybrid.inner = Recorder()
+    for member in DELEGATED:
+        value = getattr(hybrid, member)
+        assert (value if member in PROPERTIES else value(None)) == member
+    assert hybrid.inner.reached == list(DELEGATED)
