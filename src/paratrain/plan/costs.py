@@ -23,10 +23,13 @@ from paratrain.plan.comm import (
     exposed_comm_time,
     ps_comm_time,
     reduce_scatter_time,
+    ring_allgather_time,
+    ring_allreduce_time,
+    ring_reduce_scatter_time,
 )
 from paratrain.plan.types import Hardware, ModelProfile
 
-__all__ = ["DDP", "DP", "FSDP", "MP", "PIPELINE", "PS", "SINGLE", "Cost", "CostModel",
+__all__ = ["DDP", "DP", "FSDP", "HYBRID", "MP", "PIPELINE", "PS", "SINGLE", "Cost", "CostModel",
            "PlanOptions"]
 
 
@@ -56,6 +59,8 @@ class Cost:
     note: str = ""
     optimizer_divisor: int = 1
     """How many devices (or servers) share the optimizer step, in parallel."""
+    shard_devices: int | None = None
+    """Devices the "N" parts of the sharding are split over; None: all of ``devices``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +111,27 @@ def _fsdp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
                 comm=layers * (2 * ag + rs), exposed=exp_f + exp_b,
                 traffic=2 * allgather_bytes(pr.param_size, hw) + allgather_bytes(pr.grad_size, hw),
                 optimizer_divisor=w)
+
+
+def _hybrid(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # The default layout (HSDP): FSDP within each node, replicas across nodes. Per layer,
+    # parameters are all-gathered and gradients reduce-scattered over the node's n devices,
+    # then each 1/n shard of the gradients is all-reduced over the k nodes; overlap as FSDP.
+    n, k, layers = hw.num_devices_per_node, hw.num_nodes, pr.num_layers
+    bi, ai, be, ae = (hw.intra_node_bandwidth, hw.intra_node_latency, hw.inter_node_bandwidth,
+                      hw.inter_node_latency)
+    ag = ring_allgather_time(pr.param_size / layers, n, bi, ai)
+    rs = ring_reduce_scatter_time(pr.grad_size / layers, n, bi, ai)
+    ar = ring_allreduce_time(pr.grad_size / layers / n, k, be, ae)
+    exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample, overlap=o.overlap,
+                              tail=ag)
+    exp_b = exposed_comm_time(layers * (ag + rs + ar), b * pr.backward_time_per_sample,
+                              overlap=o.overlap, tail=rs + ar)
+    traffic = ((n - 1) / n * (2 * pr.param_size + pr.grad_size)
+               + 2 * (k - 1) / k * pr.grad_size / n)
+    return Cost(devices=n * k, batch=n * k * b, compute=b * pr.step_compute_time_per_sample,
+                comm=layers * (2 * ag + rs + ar), exposed=exp_f + exp_b, traffic=traffic,
+                note=f"shard {n} x replicate {k}", optimizer_divisor=n, shard_devices=n)
 
 
 def _ps(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
@@ -208,6 +234,9 @@ SINGLE = CostModel(sharding=("1", "1", "1"), cost=_single)
 DDP = CostModel(sharding=("1", "1", "1"), cost=_ddp)
 FSDP = CostModel(sharding=("N", "N", "N"), cost=_fsdp)
 PIPELINE = CostModel(sharding=("N", "N", "N"), cost=_pipeline)  # each stage holds 1/p of the layers
+# Only hybrid's default layout: pipeline_degree and shard_degree are strategy options the
+# planner does not take.
+HYBRID = CostModel(sharding=("N", "N", "N"), cost=_hybrid)
 PS = CostModel(sharding=("1", "1", "0"), cost=_ps)  # the servers hold the optimizer state
 DP = CostModel(sharding=("1", "1", "1"), cost=_dp)  # device 0 holds the master copy and the optimizer
 MP = CostModel(sharding=("N", "N", "N"), cost=_mp)  # each device holds its layers

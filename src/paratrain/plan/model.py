@@ -80,7 +80,7 @@ def predict(
     sps = c.batch / step
     # Reference: one device running the same per-device batch (profile already includes recompute).
     single_sps = b / (b * profile.step_compute_time_per_sample + profile.optimizer_step_time)
-    memory = memory_per_device(model.sharding, profile, num_devices=c.devices,
+    memory = memory_per_device(model.sharding, profile, num_devices=c.shard_devices or c.devices,
                                batch_size_per_device=b)
     mem = memory.total
     limit = hardware.device_memory_bytes

@@ -101,8 +101,7 @@ STRATEGY_TABLE: tuple[StrategyEntry, ...] = (
     StrategyEntry(name="pipeline", target=f"{_RUNTIME}.pipeline.strategy:PipelineStrategy",
                   cost_model=f"{_COSTS}:PIPELINE"),
     StrategyEntry(name="hybrid", target=f"{_RUNTIME}.hybrid:HybridStrategy",
-                  not_modelled="its layout (pipeline_degree, shard_degree) comes from "
-                               "strategy_options, which the planner does not take"),
+                  cost_model=f"{_COSTS}:HYBRID"),
     StrategyEntry(name="ps", target=f"{_RUNTIME}.ps.strategy:PSStrategy",
                   cost_model=f"{_COSTS}:PS", server_processes=1, server_flag="--ps-servers"),
     StrategyEntry(name="dp", target=f"{_RUNTIME}.dp:DataParallelStrategy",
