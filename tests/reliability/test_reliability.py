@@ -355,10 +355,11 @@ def test_stop_signal_becomes_a_stop_request_and_the_handler_is_restored(signum, 
 
 def test_wait_notices_come_at_the_interval(capsys):
     from paratrain.reliability import waits
+    from paratrain.settings import Settings
 
     with pytest.raises(ValueError, match="PARATRAIN_WAIT_REPORT_S='0' must be a number"):
-        waits.report_interval({"PARATRAIN_WAIT_REPORT_S": "0"})
-    assert waits.report_interval({}) == 30.0
+        Settings.from_environ({"PARATRAIN_WAIT_REPORT_S": "0"})
+    assert Settings.from_environ({}).wait_report_s == 30.0
     with waits.reporting(lambda s: f"waited {s:.1f}", interval_s=0.3, first_after_s=0.1):
         time.sleep(0.85)
     lines = capsys.readouterr().err.splitlines()

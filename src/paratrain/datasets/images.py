@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
+from paratrain.settings import Settings
+
 FASHION_MNIST_ENV = "PARATRAIN_DATA_DIR"
 FASHION_MNIST_DIRS = (
     "/usr/share/datasets/fashion-mnist",  # Debian: apt-get install dataset-fashion-mnist
@@ -60,8 +62,9 @@ def _find_file(directory: Path, stem: str) -> Path | None:
 def find_fashion_mnist(data_dir: str | os.PathLike | None = None) -> Path:
     """The first directory holding the Fashion-MNIST IDX files; DatasetNotFound otherwise."""
     candidates = [Path(data_dir)] if data_dir else []
-    if os.environ.get(FASHION_MNIST_ENV):
-        candidates.append(Path(os.environ[FASHION_MNIST_ENV]))
+    configured = Settings.from_environ().data_dir
+    if configured:
+        candidates.append(Path(configured))
     candidates += [Path(d).expanduser() for d in FASHION_MNIST_DIRS]
     for directory in candidates:
         for sub in (directory, directory / "FashionMNIST" / "raw"):

@@ -22,12 +22,14 @@ from paratrain.reliability import waits
 _TIMEOUT_SETTINGS = "Run(timeout_s=...) or PARATRAIN_TIMEOUT_S sets the wait"
 
 
-def init_process_group(topology: Topology, *, timeout_s: float) -> bool:
+def init_process_group(topology: Topology, *, timeout_s: float,
+                       wait_report_s: float = 30.0) -> bool:
     """Create the default process group for ``topology``; return True if this call created it.
 
     A single process needs no group. When the launcher already initialised one
     (a user script that called ``init_process_group`` itself) it is reused. When
-    processes share GPUs (``topology.shares_device``), rank 0 prints one notice.
+    processes share GPUs (``topology.shares_device``), rank 0 prints one notice. While
+    ranks are missing a notice comes every ``wait_report_s`` (``PARATRAIN_WAIT_REPORT_S``).
     """
     if not topology.is_distributed or dist.is_initialized():
         return False
@@ -54,7 +56,7 @@ def init_process_group(topology: Topology, *, timeout_s: float) -> bool:
 
     # Until every rank arrives (one stuck in its own set-up, or started late) this
     # blocks for up to timeout_s without a word.
-    with waits.reporting(waiting, interval_s=waits.report_interval()):
+    with waits.reporting(waiting, interval_s=wait_report_s):
         try:
             dist.init_process_group(
                 backend=topology.backend,

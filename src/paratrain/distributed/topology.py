@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paratrain.settings import Settings
+
 ACCELERATORS = ("auto", "cpu", "cuda")
 ACCELERATOR_ENV = "PARATRAIN_ACCELERATOR"
 """Replaces ``accelerator="auto"``: ``cpu`` pins every process to the CPU even with GPUs visible."""
@@ -111,7 +113,7 @@ class Topology:
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, accelerator: str = "auto",
-        share_gpus: bool | None = None,
+        share_gpus: bool | None = None, settings: Settings | None = None,
     ) -> Topology:
         """Discover the topology from the launcher's environment variables.
 
@@ -119,11 +121,13 @@ class Topology:
         GROUP_WORLD_SIZE`` first, then SLURM's ``SLURM_PROCID/...`` and Open MPI's
         ``OMPI_COMM_WORLD_*``. Without any of them this is a single process.
 
-        ``accelerator="auto"`` is replaced by ``PARATRAIN_ACCELERATOR`` when that is set
-        (``cpu`` or ``cuda``), so a test suite or launcher can pin every process to the
-        CPU without changing scripts. ``share_gpus=None`` reads ``PARATRAIN_SHARE_GPUS``:
+        ``accelerator="auto"`` is replaced by ``settings.accelerator``
+        (``PARATRAIN_ACCELERATOR``: ``cpu`` or ``cuda``), so a test suite or launcher can pin
+        every process to the CPU without changing scripts. ``share_gpus=None`` takes
+        ``settings.share_gpus`` (``PARATRAIN_SHARE_GPUS``):
         when set, a node with more local processes than GPUs maps local rank ``r`` to
-        ``cuda:(r % device_count)`` and uses gloo; without it that is refused.
+        ``cuda:(r % device_count)`` and uses gloo; without it that is refused. ``settings``
+        defaults to those parsed from ``environ``.
 
         Example:
             >>> Topology.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}).rank
@@ -132,26 +136,17 @@ class Topology:
         environ = os.environ if environ is None else environ
         if accelerator not in ACCELERATORS:
             raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {accelerator!r}")
+        if settings is None:
+            settings = Settings.from_environ(environ)
         if accelerator == "auto":
-            accelerator = environ.get(ACCELERATOR_ENV, "") or "auto"
-            if accelerator not in ACCELERATORS:
-                raise ValueError(f"{ACCELERATOR_ENV}={accelerator!r} must be one of "
-                                 f"{ACCELERATORS}; unset it or fix the value")
+            accelerator = settings.accelerator or "auto"
         if share_gpus is None:
-            share_gpus = _flag_env(environ, SHARE_GPUS_ENV)
+            share_gpus = bool(settings.share_gpus)
         values = _discover(environ)
         device, backend, shared = _select_device(
             values["local_rank"], values["local_world_size"], accelerator, share_gpus)
         return cls(device=device, backend=backend, shares_device=shared, **values)
 
-
-def _flag_env(environ: Mapping[str, str], name: str) -> bool:
-    value = environ.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise ValueError(f"environment variable {name}={value!r} must be 1 or 0")
 
 
 def _discover(environ: Mapping[str, str]) -> dict:

@@ -33,6 +33,7 @@ from paratrain.distributed.device import cpu_threads_per_process, free_port
 from paratrain.launch import report as launch_report
 from paratrain.launch import worker as launch_worker
 from paratrain.reliability import signals, waits
+from paratrain.settings import DEFAULT_WAIT_REPORT_S, Settings
 
 NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
@@ -191,7 +192,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
 
 
 def wait_for_master(host: str, port: int, timeout_s: float, *,
-                    interval_s: float = waits.DEFAULT_INTERVAL_S, node_rank: int = 1) -> None:
+                    interval_s: float = DEFAULT_WAIT_REPORT_S, node_rank: int = 1) -> None:
     """Return once ``host:port`` accepts a TCP connection; LaunchError after ``timeout_s``.
 
     Node 0 may start later than the others, so a refused connection is retried;
@@ -281,7 +282,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         validate(args)
-        interval = waits.report_interval()
+        interval = Settings.from_environ().wait_report_s
         if (args.rdzv_backend == "static" and not args.standalone and args.node_rank > 0):
             wait_for_master(args.master_addr, args.master_port or 29500, args.join_timeout,
                             interval_s=interval, node_rank=args.node_rank)

@@ -39,6 +39,7 @@ import runpy  # noqa: E402
 from types import TracebackType  # noqa: E402
 
 from paratrain.reliability import signals  # noqa: E402
+from paratrain.settings import Settings  # noqa: E402
 
 _RUNPY = os.path.dirname(runpy.__file__)
 
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     mode, target, args = argv[0], argv[1], argv[2:]
-    signals.install_excepthook()
+    settings = Settings.from_environ()
+    signals.install_excepthook(show_traceback=settings.show_traceback,
+                               launched=settings.launched)
     atexit.register(release_process_group)
     sys.argv = [target, *args]
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -27,6 +27,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from paratrain.settings import Settings
+
 
 @dataclass(frozen=True)
 class FaultPlan:
@@ -41,16 +43,22 @@ class FaultPlan:
     draws: random.Random = field(default_factory=random.Random, compare=False, repr=False)
 
     @classmethod
+    def from_settings(cls, settings: Settings, *, rank: int) -> FaultPlan:
+        """The faults ``settings`` asks of ``rank``; none after an elastic restart."""
+        target = settings.kill_rank
+        chosen = settings.restart_count == 0 and (target is None or target == rank)
+        straggler = settings.straggler
+        slow = straggler is not None and straggler.rank in (None, rank)
+        return cls(kill_at_step=settings.kill_at_step if chosen else None,
+                   term_at_step=settings.term_at_step if chosen else None,
+                   delay_s=straggler.seconds if slow else 0.0,
+                   delay_probability=straggler.probability if slow else 1.0,
+                   draws=random.Random(rank))
+
+    @classmethod
     def from_env(cls, *, rank: int, environ: Mapping[str, str] | None = None) -> FaultPlan:
-        environ = os.environ if environ is None else environ
-        target = _int(environ, "PARATRAIN_KILL_RANK")
-        first_attempt = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
-        chosen = first_attempt and (target is None or target == rank)
-        kill_at = _int(environ, "PARATRAIN_KILL_AT_STEP") if chosen else None
-        term_at = _int(environ, "PARATRAIN_TERM_AT_STEP") if chosen else None
-        delay, probability = _straggler(environ.get("PARATRAIN_STRAGGLER", ""), rank)
-        return cls(kill_at_step=kill_at, term_at_step=term_at, delay_s=delay,
-                   delay_probability=probability, draws=random.Random(rank))
+        """:meth:`from_settings` with the settings parsed from ``environ``."""
+        return cls.from_settings(Settings.from_environ(environ), rank=rank)
 
     def after_step(self, global_step: int) -> None:
         """Called after every optimizer step."""
@@ -61,31 +69,3 @@ class FaultPlan:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.term_at_step is not None and global_step == self.term_at_step:
             os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _int(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name, "")
-    if raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be an integer") from None
-
-
-def _straggler(value: str, rank: int) -> tuple[float, float]:
-    """``(seconds, probability)`` this rank sleeps per step under ``PARATRAIN_STRAGGLER``."""
-    if not value:
-        return 0.0, 1.0
-    try:
-        target, seconds, *rest = value.split(":")
-        delay, probability = float(seconds), float(rest[0]) if rest else 1.0
-        if len(rest) > 1 or delay < 0 or not 0 <= probability <= 1:
-            raise ValueError
-        chosen = target == "*" or int(target) == rank
-    except ValueError:
-        raise ValueError(
-            f"PARATRAIN_STRAGGLER={value!r} must look like RANK:SECONDS[:PROBABILITY] "
-            "(RANK an integer or *, SECONDS >= 0, PROBABILITY in [0, 1]), e.g. 1:0.05"
-        ) from None
-    return (delay, probability) if chosen else (0.0, 1.0)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import threading
 import time
@@ -33,28 +32,14 @@ import torch.distributed as dist
 
 from paratrain.reliability.collectives import CollectiveRecorder
 
-ENV_WARN = "PARATRAIN_COLLECTIVE_WARN_S"
-DEFAULT_WARN_S = 60.0
 
-
-def warn_after_s(timeout_s: float | None, environ: Mapping[str, str] | None = None) -> float:
-    """Seconds a collective may wait before the diagnosis, from ``PARATRAIN_COLLECTIVE_WARN_S``.
-
-    Default 60 s, ``0`` disables the report and the recording. Capped at half the collective timeout so the
-    diagnosis comes before the timeout ends the job.
-    """
-    environ = os.environ if environ is None else environ
-    raw = environ.get(ENV_WARN, "")
-    try:
-        value = DEFAULT_WARN_S if raw == "" else float(raw)
-        if not value >= 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{ENV_WARN}={raw!r} must be a number of seconds >= 0 "
-                         "(0 disables the stuck-collective report)") from None
-    if value and timeout_s:
-        value = min(value, timeout_s / 2)
-    return value
+def warn_after_s(timeout_s: float | None, configured_s: float) -> float:
+    """Seconds a collective may wait before the diagnosis (``PARATRAIN_COLLECTIVE_WARN_S``,
+    default 60 s, 0 disables the report and the recording), capped at half the collective
+    timeout so that the diagnosis comes before the timeout ends the job."""
+    if configured_s and timeout_s:
+        return min(configured_s, timeout_s / 2)
+    return configured_s
 
 
 def default_store() -> Any:

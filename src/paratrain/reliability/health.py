@@ -32,18 +32,16 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from paratrain.distributed.topology import Topology
-from paratrain.reliability.waits import seconds_from_env
 
 ENV_EVERY = "PARATRAIN_HEALTH_EVERY"
 ENV_TIMEOUT = "PARATRAIN_TIMEOUT_S"
-DEFAULT_EVERY = 50
 ADDRESS_BYTES = 64
 # Fields that may differ per node without changing the computation.
 _LOCAL_FIELDS = frozenset({"progress", "metrics_path", "tensorboard_dir", "checkpoint_dir"})
@@ -61,21 +59,6 @@ class HealthError(RuntimeError):
 
 class PeerLostError(RuntimeError):
     """A collective failed because a peer died or became unreachable; names it."""
-
-
-def health_every(environ: Mapping[str, str] | None = None) -> int:
-    """Steps between consistency checks from ``PARATRAIN_HEALTH_EVERY`` (0 = off)."""
-    environ = os.environ if environ is None else environ
-    raw = environ.get(ENV_EVERY, "")
-    if raw == "":
-        return DEFAULT_EVERY
-    try:
-        value = int(raw)
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{ENV_EVERY}={raw!r} must be an integer >= 0 (0 disables)") from None
-    return value
 
 
 def field_hash(value: Any) -> int:
@@ -317,8 +300,3 @@ class HealthMonitor:
         thread.start()
         thread.join(wait_s + 1.0)
         return answer.get("missing")
-
-
-def env_timeout_s(environ: Mapping[str, str] | None = None) -> float | None:
-    """The collective timeout from ``PARATRAIN_TIMEOUT_S``, or None when unset."""
-    return seconds_from_env(ENV_TIMEOUT, environ)

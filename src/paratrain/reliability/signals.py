@@ -53,9 +53,10 @@ class GracefulStop:
     Args:
         group: process group for the agreement (None for a single process).
         enabled: install the handler (needs the main thread).
+        grace_s: seconds the ranks have to agree (``PARATRAIN_TERM_GRACE_S``).
     """
 
-    def __init__(self, *, group: Any, enabled: bool) -> None:
+    def __init__(self, *, group: Any, enabled: bool, grace_s: float = 10.0) -> None:
         self.group = group
         self.requested = False
         self.agreed = False
@@ -67,11 +68,7 @@ class GracefulStop:
         self._wakeup: tuple[int, int, int] | None = None
         self.installed = False
         if enabled and threading.current_thread() is threading.main_thread():
-            raw = os.environ.get(ENV_GRACE, "") or "10"
-            try:
-                self.grace_s = float(raw)
-            except ValueError:
-                raise ValueError(f"{ENV_GRACE}={raw!r} must be a number of seconds") from None
+            self.grace_s = grace_s
             self._previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
             self.installed = True
             self._start_watchdog()
@@ -218,25 +215,37 @@ def record_error_file(exc: BaseException, message: str, *, with_traceback: bool,
     return True
 
 
-def _excepthook(exc_type: type[BaseException], exc: BaseException,
-                tb: TracebackType | None) -> None:
-    one_line = is_one_line(exc) and os.environ.get("PARATRAIN_TRACEBACK", "") in ("", "0")
-    message = summary(exc) if one_line else f"{exc_type.__name__}: {summary(exc)}"
-    recorded = record_error_file(exc, message, with_traceback=not one_line, tb=tb)
-    if recorded and os.environ.get(ENV_LAUNCHED) == "1":
-        return  # `paratrain launch` prints the first failed rank's error, once
-    if one_line:
-        print(f"paratrain: {message}", file=sys.stderr, flush=True)
+class OneLineErrors:
+    """``sys.excepthook`` printing paratrain's own errors as one line.
+
+    Args:
+        previous: the hook it replaced, used for every other error.
+        show_traceback: print whole tracebacks anyway (``PARATRAIN_TRACEBACK=1``).
+        launched: ``paratrain launch`` started this process and reports errors itself.
+    """
+
+    def __init__(self, previous: Any, *, show_traceback: bool, launched: bool) -> None:
+        self.previous = previous
+        self.show_traceback = show_traceback
+        self.launched = launched
+
+    def __call__(self, exc_type: type[BaseException], exc: BaseException,
+                 tb: TracebackType | None) -> None:
+        one_line = is_one_line(exc) and not self.show_traceback
+        message = summary(exc) if one_line else f"{exc_type.__name__}: {summary(exc)}"
+        recorded = record_error_file(exc, message, with_traceback=not one_line, tb=tb)
+        if recorded and self.launched:
+            return  # `paratrain launch` prints the first failed rank's error, once
+        if one_line:
+            print(f"paratrain: {message}", file=sys.stderr, flush=True)
+        else:
+            self.previous(exc_type, exc, tb)
+
+
+def install_excepthook(*, show_traceback: bool = False, launched: bool = False) -> None:
+    """Make uncaught paratrain errors one line; a second call updates the options."""
+    hook = sys.excepthook
+    if isinstance(hook, OneLineErrors):
+        hook.show_traceback, hook.launched = show_traceback, launched
     else:
-        _previous_hook(exc_type, exc, tb)
-
-
-_previous_hook = sys.excepthook
-
-
-def install_excepthook() -> None:
-    """Make uncaught paratrain errors one line; idempotent."""
-    global _previous_hook
-    if sys.excepthook is not _excepthook:
-        _previous_hook = sys.excepthook
-        sys.excepthook = _excepthook
+        sys.excepthook = OneLineErrors(hook, show_traceback=show_traceback, launched=launched)

@@ -11,40 +11,13 @@ mistaken for a hang. ``PARATRAIN_WAIT_REPORT_S`` sets the interval (default
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
-ENV_INTERVAL = "PARATRAIN_WAIT_REPORT_S"
-DEFAULT_INTERVAL_S = 30.0
 # A wait shorter than this is normal start-up and says nothing.
 FIRST_NOTICE_S = 5.0
-
-
-def seconds_from_env(name: str, environ: Mapping[str, str] | None = None) -> float | None:
-    """A positive number of seconds from the variable ``name``; None when it is unset.
-
-    A value that is not a number > 0 is a ValueError naming the variable.
-    """
-    environ = os.environ if environ is None else environ
-    raw = environ.get(name, "")
-    if raw == "":
-        return None
-    try:
-        value = float(raw)
-        if not value > 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be a number of seconds > 0") from None
-    return value
-
-
-def report_interval(environ: Mapping[str, str] | None = None) -> float:
-    """Seconds between wait notices, from ``PARATRAIN_WAIT_REPORT_S`` (default 30)."""
-    value = seconds_from_env(ENV_INTERVAL, environ)
-    return DEFAULT_INTERVAL_S if value is None else value
 
 
 @contextlib.contextmanager

@@ -17,39 +17,28 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain.activation_checkpointing import apply_activation_checkpointing
-from paratrain.checkpoint.files import check_directory as checkpoint_dir_check
 from paratrain.config import RunConfig
 from paratrain.data.loader import DistributedLoader, ShardedSampler
-from paratrain.distributed.process_group import destroy_process_group, init_process_group
-from paratrain.distributed.topology import Topology
+from paratrain.distributed.process_group import destroy_process_group
 from paratrain.losses import GlobalCount
-from paratrain.precision import Precision
-from paratrain.reliability import faults, hang, health, signals
+from paratrain.reliability import signals
 from paratrain.run import misuse
-from paratrain.run.flops import FirstStepFlops, Throughput, device_peak_flops
-from paratrain.run.reporting import MetricsLog, Reporter
+from paratrain.run.build import build_parts
+from paratrain.run.hooks import AfterStep, FaultHook, HealthHook, PeriodicSave, StopOnSignal
+from paratrain.run.seeding import seed_everything
 from paratrain.run.state import RunState
 from paratrain.run.step import TrainStep
-from paratrain.strategies import create_strategy
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+from paratrain.settings import Settings
 
 
 class Run(TrainStep):
@@ -64,68 +53,32 @@ class Run(TrainStep):
     def __init__(self, *, environ: dict[str, str] | None = None, **config: Any) -> None:
         # Bad input and lost peers end the process with one line, not a traceback.
         signals.install_excepthook()
-        if "timeout_s" not in config and (env_timeout := health.env_timeout_s()) is not None:
-            config["timeout_s"] = env_timeout
+        settings = Settings.from_environ(environ)
+        signals.install_excepthook(show_traceback=settings.show_traceback,
+                                   launched=settings.launched)
+        if "timeout_s" not in config and settings.timeout_s is not None:
+            config["timeout_s"] = settings.timeout_s
         self.config = RunConfig(**config)
-        if self.config.checkpoint_dir is not None:
-            # Here, not at the first save an epoch later.
-            checkpoint_dir_check(self.config.checkpoint_dir)
-        self.topology = Topology.from_env(environ, accelerator=self.config.accelerator)
         self._closed = False
-        self._owns_group = init_process_group(self.topology, timeout_s=self.config.timeout_s)
-        try:
-            self.strategy = create_strategy(
-                self.config.strategy, self.topology, self.config.strategy_options
-            )
-            self.strategy.timeout_s = self.config.timeout_s
-            misuse.check_ps_servers(self.strategy.name,
-                                    os.environ if environ is None else environ)
-        except BaseException:
-            self.close()
-            raise
-        self.precision = Precision(self.config.precision, self.topology.device.type)
-        try:
-            self.strategy.configure_precision(self.precision)
-            # Once, cheaply: a node started with other settings fails here, not mid-run.
-            self._health = health.HealthMonitor(topology=self.topology,
-                                                every=health.health_every())
-            with self._guard_peers():
-                self._health.check_config(self.config)
-            # Records the collectives each rank enters; names the stuck one (paratrain.reliability.hang).
-            self._hang = hang.HangMonitor(
-                rank=self.rank, world_size=self.world_size, hosts=self._health.hosts,
-                warn_after_s=hang.warn_after_s(self.config.timeout_s))
-        except BaseException:
-            self.close()
-            raise
-        # Step checks and the SIGTERM agreement need every rank to take every step
-        # (not so for parameter servers or pipeline stages).
-        lockstep = self.strategy.data_parallel_size == self.world_size
-        if not lockstep:
-            self._health.every = 0
-        self._stop = signals.GracefulStop(
-            group=self._health.group,
-            enabled=self.config.checkpoint_dir is not None and lockstep)
-        metrics = None
-        if self.topology.is_main and (self.config.metrics_path or self.config.tensorboard_dir):
-            metrics = MetricsLog(self.config.metrics_path, self.config.tensorboard_dir)
-        self.reporter = Reporter(
-            is_main=self.topology.is_main, show_progress=self.config.progress, metrics=metrics
-        )
-        notice = getattr(self.strategy, "notice", lambda: None)()
+        self._peer_lost = False
+        parts = build_parts(self.config, settings, environ)
+        self.settings = settings
+        self.topology = parts.topology
+        self._owns_group = parts.owns_group
+        self.strategy = parts.strategy
+        self.precision = parts.precision
+        self._health, self._hang, self._stop = parts.health, parts.hang, parts.stop
+        self.reporter = parts.reporter
+        self.throughput = parts.throughput
+        """Tokens/s and MFU derived from the samples/s (see :mod:`paratrain.run.flops`)."""
+        self._flop_counter = parts.flop_counter
+        notice = self.strategy.notice()
         if notice:
             self.print(notice)
-        peak = device_peak_flops(device=self.device, precision=self.config.precision,
-                                 override=self.config.peak_flops)
-        self.throughput = Throughput(
-            tokens_per_sample=self.config.tokens_per_sample, peak_flops=peak,
-            flops_per_sample=None, replicas=self.strategy.data_parallel_size,
-            on_gpu=self.device.type == "cuda")
-        """Tokens/s and MFU derived from the samples/s (see :mod:`paratrain.run.flops`)."""
-        # Counted only when MFU can be reported: CPU runs without peak_flops do no extra work.
-        self._flop_counter = FirstStepFlops(enabled=peak is not None)
         seed_everything(self.config.seed)
-        self.state = RunState(self)
+        self.state = RunState(config=self.config, topology=self.topology,
+                              strategy=self.strategy, precision=self.precision,
+                              print_fn=self.print)
         self.epoch_stats: list[dict[str, float]] = []
         self._micro_step = 0
         self._backward_in_group = False
@@ -135,7 +88,13 @@ class Run(TrainStep):
         self._sync_context: contextlib.ExitStack | None = None
         self._train_loader: DistributedLoader | None = None
         self._epoch_start = (0, time.perf_counter())
-        self._faults = faults.FaultPlan.from_env(rank=self.topology.rank)
+        self._after_step: list[AfterStep] = [
+            FaultHook(parts.faults),
+            HealthHook(self._health),
+            PeriodicSave(self.config.checkpoint_every, self.save),
+            StopOnSignal(self._stop, self.save, self.close, self.print,
+                         self.config.checkpoint_dir),
+        ]
 
     # -- identity ---------------------------------------------------------------
     @property
@@ -361,19 +320,13 @@ class Run(TrainStep):
         if self._closed:
             return
         self._closed = True
-        if hasattr(self, "_flop_counter"):
-            self._count_flops_done()  # a run that never called backward
-        if hasattr(self, "_hang"):
-            self._hang.close()
-        if hasattr(self, "reporter"):
-            self.reporter.close()
-        if hasattr(self, "state"):
-            self.state.release()
-        if hasattr(self, "_stop"):
-            # After a lost peer the pending agreement can only time out: do not wait for it.
-            self._stop.close(wait=not getattr(self, "_peer_lost", False))
-        if hasattr(self, "strategy"):
-            self.strategy.teardown()
+        self._count_flops_done()  # a run that never called backward
+        self._hang.close()
+        self.reporter.close()
+        self.state.release()
+        # After a lost peer the pending agreement can only time out: do not wait for it.
+        self._stop.close(wait=not self._peer_lost)
+        self.strategy.teardown()
         if self._owns_group:
             destroy_process_group()
 

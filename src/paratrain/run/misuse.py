@@ -7,12 +7,10 @@ lists them). They are local and cost nothing measurable: no communication.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 from torch import nn
-
-from paratrain.strategies.ps.strategy import SERVERS_ENV
 
 
 def check_optimizer_matches(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -61,9 +59,9 @@ def check_evaluated(count: float) -> None:
         )
 
 
-def check_ps_servers(strategy_name: str, environ: Mapping[str, str]) -> None:
+def check_ps_servers(strategy_name: str, ps_servers: int | None) -> None:
     """ValueError when ``paratrain launch --ps-servers`` was given to a non-``ps`` strategy."""
-    value = environ.get(SERVERS_ENV, "")
+    value = ps_servers
     if value and strategy_name != "ps":
         raise ValueError(
             f"--ps-servers {value} (PARATRAIN_PS_SERVERS) applies to strategy 'ps' only, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,16 +13,29 @@ from torch import nn
 from paratrain.checkpoint import files as checkpoint
 from paratrain.checkpoint.files import CheckpointError
 from paratrain.data.loader import DataCursor, DistributedLoader
+from paratrain.run.seeding import seed_everything
 
 if TYPE_CHECKING:
-    from paratrain.run.core import Run
+    from paratrain.config import RunConfig
+    from paratrain.distributed.topology import Topology
+    from paratrain.precision import Precision
+    from paratrain.strategies.base import Strategy
 
 
 class RunState:
-    """Registered model/optimizer/loaders plus counters; saves and restores them."""
+    """Registered model/optimizer/loaders plus counters; saves and restores them.
 
-    def __init__(self, run: Run) -> None:
-        self._run = run
+    It receives what it needs (config, topology, strategy, precision and a rank-0 print)
+    instead of the ``Run``, so that the run and its state do not import each other.
+    """
+
+    def __init__(self, *, config: RunConfig, topology: Topology, strategy: Strategy,
+                 precision: Precision, print_fn: Callable[[str], None]) -> None:
+        self._config = config
+        self._topology = topology
+        self._strategy = strategy
+        self._precision = precision
+        self._print = print_fn
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
@@ -69,7 +83,7 @@ class RunState:
         if self._resume_checked:
             return
         self._resume_checked = True
-        directory = self._run.config.checkpoint_dir
+        directory = self._config.checkpoint_dir
         candidates = checkpoint.list_checkpoints(directory) if directory else []
         for index in range(len(candidates) - 1, -1, -1):
             path = candidates[index]
@@ -78,10 +92,10 @@ class RunState:
             except checkpoint.CorruptCheckpoint as exc:
                 if index == 0:
                     raise
-                self._run.print(f"paratrain: warning: {exc}; resuming from the previous "
+                self._print(f"paratrain: warning: {exc}; resuming from the previous "
                                 f"checkpoint {candidates[index - 1]} instead")
                 continue
-            self._run.print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
+            self._print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
             return
 
     # -- save -------------------------------------------------------------------------
@@ -97,29 +111,28 @@ class RunState:
 
     def _gather_rng(self) -> torch.Tensor:
         # Through the strategy: ranks that never save (parameter servers) take no part.
-        return self._run.strategy.gather_rng_states(checkpoint.rng_state())
+        return self._strategy.gather_rng_states(checkpoint.rng_state())
 
     def save(self, directory: str | os.PathLike | None) -> str | None:
-        run = self._run
-        directory = directory or run.config.checkpoint_dir
+        directory = directory or self._config.checkpoint_dir
         if directory is None:
             raise ValueError("save() needs a directory (or Run(checkpoint_dir=...))")
-        strategy = run.strategy
+        strategy, topology = self._strategy, self._topology
         path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
         if self._saved is not None and path.resolve() == self._saved:
             # checkpoint_every and an explicit save() at the same step: written once.
-            return str(path) if run.is_main else None
+            return str(path) if topology.is_main else None
         cursor = self._cursor()
         state = {
             "format": "paratrain",
             "version": checkpoint.FORMAT_VERSION,
             "strategy": strategy.name,
-            "world_size": run.world_size,
+            "world_size": topology.world_size,
             "global_step": self.global_step,
             "epoch": cursor.epoch,
             "cursor": {"epoch": cursor.epoch, "offset": cursor.offset},
             "schedulers": [s.state_dict() for s in self.schedulers],
-            "precision": run.precision.state_dict(),
+            "precision": self._precision.state_dict(),
             "rng": self._gather_rng(),
         }
         if strategy.replicated:
@@ -140,9 +153,9 @@ class RunState:
                          num_models=len(self.models), optimizer_layout="flat")
             strategy.barrier()
         written = None
-        if run.is_main:
+        if topology.is_main:
             written = str(checkpoint.atomic_save(state, path))
-            checkpoint.prune(directory, run.config.keep_checkpoints)
+            checkpoint.prune(directory, self._config.keep_checkpoints)
             _prune_sharded(Path(directory))
         # Nobody continues (and may be killed) before the file is complete.
         strategy.barrier()
@@ -151,7 +164,7 @@ class RunState:
 
     # -- load ---------------------------------------------------------------------------
     def load(self, path: str | os.PathLike) -> None:
-        run = self._run
+        strategy, topology = self._strategy, self._topology
         state = checkpoint.safe_load(path)
         num_models = state.get("num_models", len(state["models"]))
         if num_models != len(self.models):
@@ -164,41 +177,40 @@ class RunState:
         for index, (model, model_state) in enumerate(zip(self.models, state["models"])):
             self._check_model(path, index, {k: tuple(v.shape) for k, v in model_state.items()})
             try:
-                run.strategy.load_model_state_dict(model, model_state)
+                strategy.load_model_state_dict(model, model_state)
             except (RuntimeError, KeyError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint {path} does not match the model "
                                       f"({_reason(exc)})") from None
         for index, (optimizer, optimizer_state) in enumerate(
                 zip(self.optimizers, state["optimizers"])):
-            if not run.strategy.replicated:
+            if not strategy.replicated:
                 optimizer_state = _by_name(path, optimizer_state,
                                            state.get("optimizer_params", [None])[index])
             try:
-                run.strategy.load_optimizer_state_dict(self.models[0], optimizer, optimizer_state)
+                strategy.load_optimizer_state_dict(self.models[0], optimizer, optimizer_state)
             except (RuntimeError, KeyError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint {path} does not match the optimizer "
                                       f"({_reason(exc)})") from None
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
-        run.precision.load_state_dict(state["precision"])
+        self._precision.load_state_dict(state["precision"])
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self._resume_cursor = DataCursor(**state["cursor"])
         rng = state["rng"]
-        if int(state["world_size"]) == run.world_size and run.rank < rng.shape[0]:
-            checkpoint.set_rng_state(rng[run.rank])
+        rank = topology.rank
+        if int(state["world_size"]) == topology.world_size and rank < rng.shape[0]:
+            checkpoint.set_rng_state(rng[rank])
         else:
             # Another world size: per-rank streams cannot be mapped; derive fresh ones.
-            from paratrain.run.core import seed_everything
-
-            seed_everything(run.config.seed + 1 + run.rank + 7919 * self.global_step)
+            seed_everything(self._config.seed + 1 + rank + 7919 * self.global_step)
         self._resume_checked = True
         self._saved = Path(path).resolve()
 
     def _check_model(self, path: str | os.PathLike, index: int,
                      found: dict[str, tuple[int, ...]]) -> None:
         """CheckpointError naming the first missing/unexpected key and shape mismatch."""
-        strategy = self._run.strategy
+        strategy = self._strategy
         expected = {k: tuple(v.shape) for k, v in
                     strategy.checkpoint_module(self.models[index]).state_dict().items()}
         problem = checkpoint.describe_mismatch(expected, found, partial=strategy.partial_model)
@@ -216,7 +228,7 @@ class RunState:
         for index in range(len(self.models)):
             self._check_model(path, index, saved_shapes(directory, index))
         try:
-            self._run.strategy.load_sharded_state(
+            self._strategy.load_sharded_state(
                 str(directory), self.models, self.optimizers,
                 flat_optimizer=state.get("optimizer_layout") == "flat")
         except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:

@@ -9,13 +9,14 @@ step) -> the after-step hooks (faults, health, periodic save, SIGTERM/SIGINT), w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from paratrain.data.loader import DataCursor
 from paratrain.run import misuse
+from paratrain.run.build import guard_peers
 
 
 class TrainStep:
@@ -63,17 +64,12 @@ class TrainStep:
             self._optimizer_step(optimizer)
         return True
 
-    @contextlib.contextmanager
-    def _guard_peers(self) -> Iterator[None]:
+    def _guard_peers(self) -> contextlib.AbstractContextManager:
         """Turn a failed collective into a PeerLostError naming the lost rank and host."""
-        try:
-            yield
-        except RuntimeError as exc:
-            monitor = getattr(self, "_health", None)
-            if monitor is None or not monitor.is_peer_failure(exc):
-                raise
-            self._peer_lost = True
-            raise monitor.lost_peer_error(exc) from exc
+        return guard_peers(self._health, on_lost=self._mark_peer_lost)
+
+    def _mark_peer_lost(self) -> None:
+        self._peer_lost = True
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         group_size = self._micro_step
@@ -105,25 +101,11 @@ class TrainStep:
                 scheduler.step()
         self._micro_step = 0
         self.state.global_step += 1
-        self._faults.after_step(self.state.global_step)
-        cursor = self._train_loader.cursor if self._train_loader is not None else None
-        self._health.after_step(global_step=self.state.global_step,
-                                epoch=cursor.epoch if cursor else self.state.epoch,
-                                offset=cursor.offset if cursor else 0)
-        every = self.config.checkpoint_every
-        saved = bool(every and self.state.global_step % every == 0)
-        if saved:
-            self.save()
-        if self._stop.should_stop():
-            # SIGTERM/SIGINT: every rank stops after this same step, with a checkpoint to
-            # resume from.
-            if not saved:
-                self.save()
-            # close() ends the progress bar first, so that it is not redrawn after the line.
-            self.close()
-            self.print(f"paratrain: {self._stop.signal.name} received; saved step "
-                       f"{self.global_step} to {self.config.checkpoint_dir}, exiting")
-            raise SystemExit(self._stop.exit_code)
+        loader = self._train_loader
+        cursor = loader.cursor if loader is not None else DataCursor(epoch=self.state.epoch,
+                                                                     offset=0)
+        for hook in self._after_step:
+            hook(self.state.global_step, cursor)
 
     def _at_boundary(self) -> bool:
         if (self._micro_step + 1) % self.config.accumulate == 0:

@@ -177,6 +177,10 @@ class Strategy:
         dist.all_gather(parts, blob)
         return torch.stack(parts)
 
+    def notice(self) -> str | None:
+        """One line rank 0 prints once the run is set up (the layout chosen), or None."""
+        return None
+
     def metrics(self) -> dict[str, Any]:
         """Strategy-specific values added to each epoch's metrics (rank 0 logs them)."""
         return {}

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.settings import Settings
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.ps.protocol import FlatLayout
 from paratrain.strategies.ps.server import ParameterServer
@@ -90,15 +91,11 @@ class PSOptions:
 
 
 def resolve_num_servers(options: PSOptions, environ: Mapping[str, str]) -> int:
-    """``num_servers`` from the options, else from the launcher's environment, else 1."""
+    """``num_servers`` from the options, else from the launcher's ``--ps-servers``
+    (``Settings.ps_servers``), else 1."""
     if options.num_servers is not None:
         return options.num_servers
-    value = environ.get(SERVERS_ENV, "")
-    if not value:
-        return 1
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{SERVERS_ENV}={value!r} must be an integer >= 1")
-    return int(value)
+    return Settings.from_environ(environ).ps_servers or 1
 
 
 class PSStrategy(Strategy):

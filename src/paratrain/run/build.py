@@ -1,0 +1,123 @@
+"""Turning a :class:`RunConfig` and the environment into the pieces a :class:`Run` drives.
+
+``build_parts`` is the one place that wires topology, process group, strategy, precision
+and the monitors together, in a fixed order (each step may depend on the ones before).
+When a step fails, what was already built is released before the error propagates, so
+a bad argument never leaves a process group or a signal handler behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from paratrain.config import RunConfig
+from paratrain.distributed.process_group import destroy_process_group, init_process_group
+from paratrain.distributed.topology import Topology
+from paratrain.precision import Precision
+from paratrain.reliability import hang, health, signals
+from paratrain.reliability.faults import FaultPlan
+from paratrain.run import misuse
+from paratrain.run.flops import FirstStepFlops, Throughput, device_peak_flops
+from paratrain.run.reporting import MetricsLog, Reporter
+from paratrain.settings import Settings
+from paratrain.strategies import create_strategy
+from paratrain.strategies.base import Strategy
+
+__all__ = ["RunParts", "build_parts", "guard_peers"]
+
+
+@dataclass(kw_only=True)
+class RunParts:
+    """Everything ``Run`` delegates to, built once per run."""
+
+    config: RunConfig
+    settings: Settings
+    topology: Topology
+    owns_group: bool
+    strategy: Strategy
+    precision: Precision
+    health: health.HealthMonitor
+    hang: hang.HangMonitor
+    stop: signals.GracefulStop
+    reporter: Reporter
+    throughput: Throughput
+    flop_counter: FirstStepFlops
+    faults: FaultPlan
+
+
+@contextlib.contextmanager
+def guard_peers(monitor: health.HealthMonitor | None, on_lost: Any = None) -> Iterator[None]:
+    """Turn a failed collective into a PeerLostError naming the lost rank and host."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if monitor is None or not monitor.is_peer_failure(exc):
+            raise
+        if on_lost is not None:
+            on_lost()
+        raise monitor.lost_peer_error(exc) from exc
+
+
+def build_parts(config: RunConfig, settings: Settings,
+                environ: dict[str, str] | None) -> RunParts:
+    """Build a run's pieces in order; on failure release what was built, then re-raise."""
+    if config.checkpoint_dir is not None:
+        # Here, not at the first save an epoch later.
+        from paratrain.checkpoint.files import check_directory
+
+        check_directory(config.checkpoint_dir)
+    topology = Topology.from_env(environ, accelerator=config.accelerator, settings=settings)
+    owns_group = init_process_group(topology, timeout_s=config.timeout_s,
+                                    wait_report_s=settings.wait_report_s)
+    strategy: Strategy | None = None
+    monitor_hang: hang.HangMonitor | None = None
+    try:
+        strategy = create_strategy(config.strategy, topology, config.strategy_options)
+        strategy.timeout_s = config.timeout_s
+        misuse.check_ps_servers(strategy.name, settings.ps_servers)
+        precision = Precision(config.precision, topology.device.type)
+        strategy.configure_precision(precision)
+        # Once, cheaply: a node started with other settings fails here, not mid-run.
+        monitor = health.HealthMonitor(topology=topology, every=settings.health_every)
+        with guard_peers(monitor):
+            monitor.check_config(config)
+        # Records the collectives each rank enters; names the stuck one.
+        monitor_hang = hang.HangMonitor(
+            rank=topology.rank, world_size=topology.world_size, hosts=monitor.hosts,
+            warn_after_s=hang.warn_after_s(config.timeout_s, settings.collective_warn_s))
+    except BaseException:
+        if monitor_hang is not None:
+            monitor_hang.close()
+        if strategy is not None:
+            strategy.teardown()
+        if owns_group:
+            destroy_process_group()
+        raise
+    # Step checks and the SIGTERM agreement need every rank to take every step
+    # (not so for parameter servers or pipeline stages).
+    lockstep = strategy.data_parallel_size == topology.world_size
+    if not lockstep:
+        monitor.every = 0
+    stop = signals.GracefulStop(group=monitor.group,
+                                enabled=config.checkpoint_dir is not None and lockstep,
+                                grace_s=settings.term_grace_s)
+    metrics = None
+    if topology.is_main and (config.metrics_path or config.tensorboard_dir):
+        metrics = MetricsLog(config.metrics_path, config.tensorboard_dir)
+    reporter = Reporter(is_main=topology.is_main, show_progress=config.progress,
+                        metrics=metrics)
+    peak = device_peak_flops(device=topology.device, precision=config.precision,
+                             override=config.peak_flops)
+    throughput = Throughput(
+        tokens_per_sample=config.tokens_per_sample, peak_flops=peak, flops_per_sample=None,
+        replicas=strategy.data_parallel_size, on_gpu=topology.device.type == "cuda")
+    return RunParts(
+        config=config, settings=settings, topology=topology, owns_group=owns_group,
+        strategy=strategy, precision=precision, health=monitor, hang=monitor_hang, stop=stop,
+        reporter=reporter, throughput=throughput,
+        # Counted only when MFU can be reported: CPU runs without peak_flops do no extra work.
+        flop_counter=FirstStepFlops(enabled=peak is not None),
+        faults=FaultPlan.from_settings(settings, rank=topology.rank))
