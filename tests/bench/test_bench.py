@@ -199,8 +199,8 @@ def test_bench_ddp_one_and_two_processes_writes_outputs(tmp_path):
 
 
 def test_entries_name_their_precision_and_the_gpu_default_is_the_seeds_table():
-    assert resolve_strategies(None, cuda=True) == ["single", "dp", "ddp", "ddp+bf16-mixed",
-                                                   "fsdp"]
+    assert resolve_strategies(None, cuda=True) == ["single", "ddp", "ddp+bf16-mixed", "fsdp",
+                                                   "dp"]
     assert resolve_strategies(["ddp+bf16-mixed", "single"]) == ["single", "ddp+bf16-mixed"]
     with pytest.raises(ValueError, match="precisions: unknown fp8"):
         resolve_strategies(["ddp+fp8"])

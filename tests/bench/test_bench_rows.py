@@ -30,7 +30,7 @@ def test_cpu_default_is_every_strategy_at_float32():
 
 def test_cuda_default_is_the_seeds_table():
     assert labels(resolve_rows(None, accelerator="cuda")) == list(GPU_DEFAULT_ROWS)
-    assert GPU_DEFAULT_ROWS == ("single", "dp", "ddp", "ddp+bf16-mixed", "fsdp")
+    assert GPU_DEFAULT_ROWS == ("single", "ddp", "ddp+bf16-mixed", "fsdp", "dp")
 
 
 def test_precisions_multiply_plain_names_and_suffixes_stay():

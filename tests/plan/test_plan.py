@@ -126,10 +126,10 @@ def test_memory_per_strategy_n4():
     expected = {
         "single": 16 * MB, "ddp": 16 * MB, "dp": 16 * MB,
         "ps": 8 * MB,  # optimizer lives on the servers
-        "zero1": 4 * MB + 4 * MB + 2 * MB,
-        "zero2": 4 * MB + 1 * MB + 2 * MB,
         "fsdp": 4 * MB,
         "pipeline": 4 * MB,  # 8 layers over 4 stages
+        "mp": 4 * MB,  # 8 layers over the node's 4 devices
+        "hybrid": 4 * MB,  # one node: sharded over its 4 devices, as fsdp
     }
     for name, state in expected.items():
         assert report.prediction(name).memory_bytes == pytest.approx(state + act), name
@@ -220,7 +220,7 @@ def test_pipeline_needs_enough_layers():
 def test_scaling_efficiency_is_one_on_one_device():
     hw = hardware(num_devices_per_node=1, intra_node_latency=1e-4)
     report = plan(profile(), hw, batch_size_per_device=16, strategies=[
-        "single", "ddp", "fsdp", "zero1", "zero2", "pipeline", "dp"])
+        "single", "ddp", "fsdp", "pipeline", "dp", "mp"])
     for p in report.predictions:
         assert p.scaling_efficiency == pytest.approx(1.0), p.strategy
     assert report.recommendation == "single"  # ties go to the simplest
@@ -254,7 +254,7 @@ def test_activation_checkpointing_trades_memory_for_compute():
 
 
 def test_recommendation_fits_memory_when_ddp_does_not():
-    # 16 GB of model state, 8 GB devices: only zero2 (7 GB), fsdp and pipeline (4 GB) fit.
+    # 16 GB of model state, 8 GB devices: only fsdp, pipeline and mp (4 GB) fit.
     pr = profile(num_parameters=1_000_000_000, num_layers=32, compute_time_per_sample=0.05)
     hw = hardware(device_memory_bytes=8 * 10**9, intra_node_bandwidth=100e9)
     report = plan(pr, hw, batch_size_per_device=4)
@@ -270,7 +270,7 @@ def test_recommendation_without_memory_limit_and_when_nothing_fits():
     assert all(p.fits is None for p in report.predictions)
     assert "not checked" in report.reason
     tiny = hardware(device_memory_bytes=1000)
-    report = plan(profile(), tiny, batch_size_per_device=4, strategies=["ddp", "fsdp", "zero1"])
+    report = plan(profile(), tiny, batch_size_per_device=4, strategies=["ddp", "fsdp", "ps"])
     assert report.recommendation == "fsdp"  # least memory
     assert report.reason.startswith("No strategy fits")
 

@@ -1,9 +1,10 @@
 """Tests of ``paratrain plan`` on GPU clusters: device choice, synchronized timing,
-precision, interconnect presets, device memory, scaling tables, runnable strategies."""
+precision, interconnect presets, device memory, scaling tables, strategies not modelled."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,9 @@ from paratrain.plan import device as plan_device
 from paratrain.plan.cli import main
 from paratrain.plan.links import PRESETS, guess_intra_node, link_preset, resolve_links
 from paratrain.plan.scaling import format_scaling, parse_node_counts, plan_scaling
+from paratrain.strategies import table
+
+MB = 1e6
 
 
 def profile(**kw):
@@ -177,11 +181,19 @@ def test_parse_node_counts():
             parse_node_counts(bad)
 
 
-def test_scaling_table_per_strategy_and_node_count():
+@pytest.fixture
+def hybrid_not_modelled(monkeypatch):
+    """The table as it reads when a strategy has no cost model (hybrid stands in)."""
+    entries = tuple(replace(e, cost_model="", not_modelled="its layout is not modelled yet")
+                    if e.name == "hybrid" else e for e in table.STRATEGY_TABLE)
+    monkeypatch.setattr(table, "STRATEGY_TABLE", entries)
+
+
+def test_scaling_table_per_strategy_and_node_count(hybrid_not_modelled):
     hw = Hardware(intra_node_bandwidth=450e9, intra_node_latency=3.4e-6,
                   inter_node_bandwidth=1.25e9, inter_node_latency=50e-6, num_devices_per_node=8)
     reports = plan_scaling(profile(num_parameters=50_000_000), hw, (1, 2, 4),
-                           batch_size_per_device=8, strategies=["single", "ddp", "zero1"])
+                           batch_size_per_device=8, strategies=["single", "ddp", "hybrid"])
     assert [r.hardware.world_size for r in reports] == [8, 16, 32]
     ddp = [r.prediction("ddp") for r in reports]
     # A slow network between nodes: efficiency drops once traffic leaves the node.
@@ -189,26 +201,57 @@ def test_scaling_table_per_strategy_and_node_count():
     assert all(r.prediction("single").samples_per_second == reports[0].prediction(
         "single").samples_per_second for r in reports)
     lines = format_scaling(reports).splitlines()
-    assert lines[0].split() == ["nodes", "devices", "single", "ddp", "zero1*", "recommended"]
+    assert lines[0].split() == ["nodes", "devices", "single", "ddp", "hybrid*", "recommended"]
     assert lines[2].split()[:2] == ["1", "8"] and lines[4].split()[:2] == ["4", "32"]
     assert f"({ddp[2].scaling_efficiency:.0%})" in lines[4]
-    assert "not runnable yet" in lines[-1]
+    assert lines[2].split()[-2] == "-"  # hybrid has no numbers
+    assert "* not modelled" in lines[-1]
 
 
-# --- runnable strategies ------------------------------------------------------------
+# --- strategies not modelled ---------------------------------------------------------
 
 
-def test_zero_is_predicted_but_never_recommended():
+def test_not_modelled_is_listed_but_never_recommended(hybrid_not_modelled):
     hw = Hardware(num_devices_per_node=4, device_memory_bytes=8 * 10**9)
-    big = profile(num_parameters=1_000_000_000, num_layers=32, compute_time_per_sample=0.05)
-    report = plan(big, hw, batch_size_per_device=4, strategies=["ddp", "zero2", "zero1"])
-    assert report.prediction("zero2").fits and not report.prediction("zero2").runnable
-    assert report.recommendation == "ddp"  # nothing runnable fits: least memory among runnable
-    report = plan(profile(), hw, batch_size_per_device=4, strategies=["zero1", "zero2"])
-    assert report.recommendation == "" and "not runnable" in report.reason
-    assert "zero1 (not runnable yet)" in report.format_table()
-    assert all(plan(profile(), hw, batch_size_per_device=4).prediction(s).runnable
-               for s in ("single", "ddp", "ps", "fsdp", "pipeline", "dp"))
+    report = plan(profile(), hw, batch_size_per_device=4, strategies=["hybrid"])
+    assert report.recommendation == "" and "modelled" in report.reason
+    row = report.prediction("hybrid")
+    assert not row.modelled and row.fits is None and row.note == "its layout is not modelled yet"
+    assert "hybrid (not modelled)" in report.format_table()
+    full = plan(profile(), hw, batch_size_per_device=4)
+    assert full.recommendation not in ("", "hybrid")
+    assert [p.strategy for p in full.predictions if not p.modelled] == ["hybrid"]
+    assert json.loads(json.dumps(full.to_dict()))["predictions"][4]["modelled"] is False
+
+
+def test_hybrid_is_fsdp_within_a_node_and_replicates_across_nodes():
+    one = Hardware(num_devices_per_node=4, intra_node_bandwidth=100e9)
+    pr = profile(num_parameters=10_000_000)
+    fsdp, hybrid = (predict(s, pr, one, batch_size_per_device=8) for s in ("fsdp", "hybrid"))
+    assert hybrid.step_time == pytest.approx(fsdp.step_time)
+    assert hybrid.memory_bytes == pytest.approx(fsdp.memory_bytes)
+    two = replace(one, num_nodes=2, inter_node_bandwidth=1e9)
+    fsdp, hybrid = (predict(s, pr, two, batch_size_per_device=8) for s in ("fsdp", "hybrid"))
+    assert hybrid.num_devices == 8 and "shard 4 x replicate 2" in hybrid.note
+    # State sharded over the node's 4 devices, not all 8; only gradient shards cross nodes.
+    assert hybrid.param_memory == pytest.approx(40 * MB / 4)
+    assert fsdp.param_memory == pytest.approx(40 * MB / 8)
+    assert hybrid.comm_time < fsdp.comm_time
+
+
+def test_mp_buys_memory_not_speed():
+    hw = Hardware(num_devices_per_node=4, intra_node_bandwidth=1e9, intra_node_latency=0.0)
+    pr = profile(num_parameters=1_000_000, activation_bytes_per_sample=8000.0)
+    single = predict("single", pr, hw, batch_size_per_device=16)
+    mp = predict("mp", pr, hw, batch_size_per_device=16)
+    # Same batch through every layer in turn, plus 4 crossings of 1000 B/sample each way.
+    assert mp.global_batch_size == 16 and mp.num_devices == 4
+    assert mp.exposed_comm_time == pytest.approx(2 * 16 * 4 * 1000 / 1e9)
+    assert mp.step_time == pytest.approx(single.step_time + mp.exposed_comm_time)
+    assert mp.param_memory == pytest.approx(single.param_memory / 4)
+    assert mp.scaling_efficiency < 0.25
+    alone = predict("mp", pr, Hardware(num_devices_per_node=1), batch_size_per_device=16)
+    assert alone.num_devices == 1 and "runs as single" in alone.note
 
 
 # --- command line --------------------------------------------------------------------

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--input-shape", default="1,28,28", help="shape of one sample (default 1,28,28)")
     add("--strategies", default=None,
         help="comma-separated STRATEGY or STRATEGY+PRECISION (default: on CUDA "
-             "single,dp,ddp,ddp+bf16-mixed,fsdp; on CPU all registered)")
+             "single,ddp,ddp+bf16-mixed,fsdp,dp; on CPU all registered)")
     add("--precision", default="32",
         help="comma-separated precisions for strategies named without one (default 32)")
     add("--accelerator", choices=ACCELERATORS, default="auto",

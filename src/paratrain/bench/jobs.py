@@ -19,9 +19,7 @@ from typing import Any
 
 import psutil
 
-#: Extra processes some strategies need beside the training ranks, and the launcher flag
-#: that tells them apart. A registry entry names the strategy; the launcher owns the flag.
-SERVER_PROCESSES: dict[str, tuple[int, str]] = {"ps": (1, "--ps-servers")}
+from paratrain.strategies.table import strategy_entry
 
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
@@ -33,9 +31,11 @@ def worker_argv(spec_path: Path, out_dir: Path) -> list[str]:
 
 
 def server_args(strategy: str) -> tuple[int, list[str]]:
-    """``(extra processes, launcher flags)`` for ``strategy`` (0 and none for most)."""
-    count, flag = SERVER_PROCESSES.get(strategy, (0, ""))
-    return count, ([flag, str(count)] if count else [])
+    """``(extra processes, launcher flags)`` for ``strategy`` (0 and none for most), from
+    the strategy table; ValueError for an unknown name."""
+    entry = strategy_entry(strategy)
+    count = entry.server_processes
+    return count, ([entry.server_flag, str(count)] if count else [])
 
 
 def local_launch_argv(spec_path: Path, out_dir: Path, *, strategy: str, world_size: int) -> list[str]:

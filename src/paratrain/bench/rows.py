@@ -3,7 +3,8 @@ device and the world sizes, each resolved from the request and from what this ma
 
 A row is named ``STRATEGY`` (float32) or ``STRATEGY+PRECISION``, e.g. ``ddp+bf16-mixed``.
 On a machine with CUDA the default rows are the seeds' comparison table
-(:data:`GPU_DEFAULT_ROWS`); on CPU they are every registered strategy at float32.
+(:data:`GPU_DEFAULT_ROWS`, the strategy table's ``gpu_bench_precisions``); on CPU they are
+every registered strategy at float32, in the strategy table's order.
 
 Example::
 
@@ -18,12 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from paratrain.config import PRECISIONS
+from paratrain.strategies.table import STRATEGY_TABLE, strategy_names
 
 #: The reference of scaling efficiency; it is one process by definition.
 REFERENCE = "single"
 
 #: What ``paratrain bench`` compares on a GPU machine unless told otherwise.
-GPU_DEFAULT_ROWS = ("single", "dp", "ddp", "ddp+bf16-mixed", "fsdp")
+GPU_DEFAULT_ROWS: tuple[str, ...] = tuple(
+    entry.name if precision == "32" else f"{entry.name}+{precision}"
+    for entry in STRATEGY_TABLE for precision in entry.gpu_bench_precisions)
 
 ACCELERATORS = ("auto", "cpu", "cuda")
 
@@ -75,15 +79,13 @@ def parse_precisions(items: Sequence[str]) -> tuple[str, ...]:
 
 def resolve_rows(requested: Sequence[str] | None, *, precisions: Sequence[str] = ("32",),
                  accelerator: str = "cpu") -> list[RowSpec]:
-    """Rows to measure, the reference first, otherwise in the requested (or registry) order.
+    """Rows to measure, the reference first, otherwise in the requested (or table) order.
 
     ``requested`` items are ``STRATEGY`` (measured at every one of ``precisions``) or
     ``STRATEGY+PRECISION`` (at that precision only). None means :data:`GPU_DEFAULT_ROWS` on
     CUDA, else every registered strategy. Unknown names are a ValueError listing the choices.
     """
-    from paratrain.strategies import available_strategies
-
-    known = available_strategies()
+    known = strategy_names()
     precisions = parse_precisions(precisions)
     if requested is None:
         requested = GPU_DEFAULT_ROWS if accelerator == "cuda" else known

@@ -1,12 +1,14 @@
 """``paratrain bench``: measure every registered strategy at several world sizes.
 
 On a machine with CUDA the default rows are the seeds' comparison table: ``single``,
-``dp``, ``ddp``, ``ddp+bf16-mixed`` and ``fsdp`` (see :mod:`paratrain.bench.rows`); on CPU
-every registered strategy. Each row x world size runs as its own job through the real launcher
-(``paratrain launch ... -m paratrain.bench.worker``) on synthetic data of the model's
-input shape, with warm-up and repeated timing windows. Strategies are discovered from
-the registry when the bench runs; one that cannot run a configuration is listed as
-skipped with the reason.
+``ddp``, ``ddp+bf16-mixed``, ``fsdp`` and ``dp`` (see :mod:`paratrain.bench.rows`); on CPU
+every registered strategy. Both come from the strategy table
+(:mod:`paratrain.strategies.table`), as do the per-strategy facts the bench needs (one
+process only, parameter-server processes and their launcher flag). Each row x world size
+runs as its own job through the real launcher (``paratrain launch ... -m
+paratrain.bench.worker``) on synthetic data of the model's input shape, with warm-up and
+repeated timing windows. A strategy that cannot run a configuration is listed as skipped
+with the reason.
 
 Example::
 
@@ -53,7 +55,7 @@ class BenchConfig:
     """Shape of one sample; inputs are random tensors of this shape."""
     strategies: tuple[str, ...] | None = None
     """Rows: ``STRATEGY`` or ``STRATEGY+PRECISION`` (e.g. ``ddp+bf16-mixed``); None means the
-    seeds' table (``single, dp, ddp, ddp+bf16-mixed, fsdp``) on CUDA, else every registered one."""
+    seeds' table (``single, ddp, ddp+bf16-mixed, fsdp, dp``) on CUDA, else every registered one."""
     precisions: tuple[str, ...] = ("32",)
     """Precisions each ``STRATEGY`` without ``+PRECISION`` is measured at."""
     accelerator: str = "auto"
@@ -138,24 +140,34 @@ def check_model(config: BenchConfig) -> None:
 
 def preflight(strategy: str, world_size: int, accelerator: str = "cpu") -> str:
     """Why ``strategy`` cannot run on ``world_size`` processes, or "" when it may."""
-    from paratrain.distributed.topology import Topology
-    from paratrain.strategies import create_strategy, strategy_class
+    from paratrain.strategies.table import strategy_entry
 
-    if strategy == REFERENCE and world_size > 1:
-        return f"'{REFERENCE}' is one process (it would train {world_size} unrelated copies)"
-    shortfall = gpu_shortfall(world_size + bench_jobs.server_args(strategy)[0], accelerator)
-    if shortfall:
-        return shortfall
+    entry = strategy_entry(strategy)
     try:
-        strategy_class(strategy)
+        entry.load_class()
     except ImportError as exc:  # registered, but its module is missing or broken
         return f"cannot import strategy {strategy!r}: {exc}".splitlines()[0]
-    if bench_jobs.server_args(strategy)[0]:
+    if entry.single_process and world_size > 1:
+        # Its own refusal names the alternative; otherwise say what would happen.
+        return (_refusal(strategy, world_size)
+                or f"'{strategy}' is one process (it would train {world_size} unrelated copies)")
+    shortfall = gpu_shortfall(world_size + entry.server_processes, accelerator)
+    if shortfall:
+        return shortfall
+    if entry.server_processes:
         return ""  # its layout depends on the launcher's server flag: let the job decide
+    return _refusal(strategy, world_size)
+
+
+def _refusal(strategy: str, world_size: int) -> str:
+    """The strategy's own one-line refusal of ``world_size`` processes, or ""."""
+    from paratrain.distributed.topology import Topology
+    from paratrain.strategies import create_strategy
+
     topology = Topology(rank=0, world_size=world_size, local_world_size=world_size)
     try:
         create_strategy(strategy, topology)
-    except ValueError as exc:  # the strategy's own, one-line refusal
+    except ValueError as exc:
         return str(exc).strip().splitlines()[0]
     except Exception:  # noqa: BLE001 - needs a live process group: the job will tell
         return ""

@@ -2,7 +2,8 @@
 
 An analytic model (``docs/plan.md``) that launches no processes: calibration in
 :mod:`~paratrain.plan.calibration`, communication formulas in :mod:`~paratrain.plan.comm`,
-memory in :mod:`~paratrain.plan.memory`, the per-strategy model in :mod:`~paratrain.plan.model`,
+memory in :mod:`~paratrain.plan.memory`, one cost model per strategy in
+:mod:`~paratrain.plan.costs` (named by the strategy table), the planner in :mod:`~paratrain.plan.model`,
 the report in :mod:`~paratrain.plan.report`, node-count scaling in
 :mod:`~paratrain.plan.scaling`; the command line in :mod:`~paratrain.plan.cli`.
 

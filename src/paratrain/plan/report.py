@@ -6,12 +6,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from paratrain.plan.types import Hardware, ModelProfile, Prediction
+from paratrain.strategies.table import strategy_names
 from paratrain.units import format_bytes, format_seconds
 
 #: Predictions closer than this (relative) are a tie; the simpler strategy is recommended.
 TIE_MARGIN = 0.02
-#: Simplest first: the tie-break order of the recommendation.
-PREFERENCE: tuple[str, ...] = ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline", "ps", "dp")
+#: Simplest first: the tie-break order of the recommendation (the strategy table's order).
+PREFERENCE: tuple[str, ...] = strategy_names()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,9 +49,11 @@ class PlanReport:
                 "memory/device", "fits", "note")
         rows = [head]
         for p in self.predictions:
+            if not p.modelled:
+                rows.append((f"{p.strategy} (not modelled)", *["-"] * 7, p.note))
+                continue
             fits = "?" if p.fits is None else ("yes" if p.fits else "NO")
             flag = "" if p.applicable else " (n/a)"
-            flag += "" if p.runnable else " (not runnable yet)"
             rows.append((p.strategy + flag, str(p.num_devices),
                          format_seconds(p.step_time), f"{p.samples_per_second:,.1f}",
                          f"{p.scaling_efficiency:.0%}", format_seconds(p.exposed_comm_time),
@@ -68,12 +71,11 @@ class PlanReport:
 def recommend(preds: list[Prediction], limit: float | None) -> tuple[str, str]:
     """``(strategy, one-sentence reason)``: the fastest applicable strategy that fits in
     ``limit`` bytes per device, near-ties going to the simplest (see ``docs/plan.md``).
-    Predictions with ``runnable=False`` are never recommended."""
-    # A strategy the runtime cannot run is shown for comparison but never recommended.
-    usable = [p for p in preds if p.applicable and p.runnable]
+    Predictions with ``modelled=False`` are never recommended."""
+    usable = [p for p in preds if p.applicable and p.modelled]
     if not usable:
-        return "", ("No requested strategy is both applicable to this model and hardware "
-                    "and runnable (zero1 and zero2 are not runnable yet).")
+        return "", ("No requested strategy is both modelled and applicable to this model "
+                    "and hardware.")
     rank = {name: i for i, name in enumerate(PREFERENCE)}
     if limit is not None and not any(p.fits for p in usable):
         best = min(usable, key=lambda p: (p.memory_bytes, rank[p.strategy]))

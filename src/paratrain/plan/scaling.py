@@ -45,7 +45,8 @@ def format_scaling(reports: list[PlanReport]) -> str:
     """Plain-text table: a row per node count, ``samples/s (efficiency)`` per strategy.
 
     Strategies that do not apply (pipeline with too few layers) show ``n/a``; those that
-    do not fit the device memory are marked ``!``; not-runnable ones carry ``*``.
+    do not fit the device memory are marked ``!``; those without a cost model show ``-``
+    and carry ``*``.
     """
     names = [p.strategy for p in reports[0].predictions]
     head = ["nodes", "devices", *[_header(reports[0], n) for n in names], "recommended"]
@@ -54,6 +55,9 @@ def format_scaling(reports: list[PlanReport]) -> str:
         cells = [str(report.hardware.num_nodes), str(report.hardware.world_size)]
         for name in names:
             p = report.prediction(name)
+            if not p.modelled:
+                cells.append("-")
+                continue
             if not p.applicable:
                 cells.append("n/a")
                 continue
@@ -67,13 +71,13 @@ def format_scaling(reports: list[PlanReport]) -> str:
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     legend = "samples/s (scaling efficiency); ! does not fit the device memory"
-    if any(not p.runnable for p in reports[0].predictions):
-        legend += "; * not runnable yet (never recommended)"
+    if any(not p.modelled for p in reports[0].predictions):
+        legend += "; * not modelled (never recommended)"
     return "\n".join([*lines, legend])
 
 
 def _header(report: PlanReport, name: str) -> str:
-    return name if report.prediction(name).runnable else name + "*"
+    return name if report.prediction(name).modelled else name + "*"
 
 
 def scaling_dict(reports: list[PlanReport]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Plain validated dataclasses (sizes in bytes, times in seconds, bandwidths in bytes/s),
 shared by the communication model (:mod:`paratrain.plan.comm`), the memory model
-(:mod:`paratrain.plan.memory`) and the strategies' cost model (:mod:`paratrain.plan.model`).
+(:mod:`paratrain.plan.memory`) and the strategies' cost models (:mod:`paratrain.plan.costs`).
 """
 
 from __future__ import annotations
@@ -171,5 +171,5 @@ class Prediction:
     fits: bool | None  # None when the device memory is unknown
     applicable: bool = True
     note: str = ""
-    runnable: bool = True  # False: modelled, but no runtime strategy implements it yet
+    modelled: bool = True  # False: no cost model (the note says why); the numbers are 0
     optimizer_time: float = 0.0  # this device's share of the optimizer step

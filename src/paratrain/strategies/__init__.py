@@ -1,40 +1,27 @@
-"""Parallel strategies, by name. Each lives in its own module behind :class:`Strategy`."""
+"""Parallel strategies, by name. Each lives in its own module behind :class:`Strategy`;
+the names, and how to build each, are :mod:`paratrain.strategies.table`."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
-
-# name -> "module:Class", imported lazily so a strategy's heavy imports cost nothing
-# until it is chosen.
-_REGISTRY: dict[str, str] = {
-    "single": "paratrain.strategies.single:SingleDevice",
-    "dp": "paratrain.strategies.dp:DataParallelStrategy",
-    "ddp": "paratrain.strategies.ddp:DDPStrategy",
-    "ps": "paratrain.strategies.ps.strategy:PSStrategy",
-    "fsdp": "paratrain.strategies.fsdp:FSDPStrategy",
-    "pipeline": "paratrain.strategies.pipeline.strategy:PipelineStrategy",
-    "hybrid": "paratrain.strategies.hybrid:HybridStrategy",
-    "mp": "paratrain.strategies.model_parallel:ModelParallelStrategy",
-}
+from paratrain.strategies.table import strategy_entry, strategy_names
 
 
 def available_strategies() -> list[str]:
     """Names accepted by ``Run(strategy=...)``, plus ``auto``."""
-    return sorted(_REGISTRY)
+    return sorted(strategy_names())
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    """The class registered under ``name``; ValueError naming the choices otherwise."""
-    if name not in _REGISTRY:
-        choices = ", ".join(["auto", *available_strategies()])
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {choices}")
-    module_name, class_name = _REGISTRY[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    """The class registered under ``name``; ValueError naming the choices otherwise.
+
+    The class's module is imported only now (see :mod:`paratrain.strategies.table`).
+    """
+    return strategy_entry(name).load_class()
 
 
 def resolve_name(name: str, topology: Topology) -> str:

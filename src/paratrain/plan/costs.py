@@ -1,0 +1,242 @@
+"""One cost model per strategy: the step's compute, communication and bubble, and what
+each device holds.
+
+The strategy table (:mod:`paratrain.strategies.table`) names each model by string, so
+the runtime never imports the planner; :func:`paratrain.plan.model.predict` turns a
+:class:`Cost` into a :class:`~paratrain.plan.types.Prediction`. Every formula is
+written out in ``docs/plan.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from paratrain.distributed.partition import balanced_split
+from paratrain.plan.comm import (
+    DEFAULT_BUCKET_BYTES,
+    allgather_bytes,
+    allgather_time,
+    allreduce_bytes,
+    allreduce_time,
+    ddp_buckets,
+    exposed_comm_time,
+    ps_comm_time,
+    reduce_scatter_time,
+    ring_allgather_time,
+    ring_allreduce_time,
+    ring_reduce_scatter_time,
+)
+from paratrain.plan.types import Hardware, ModelProfile
+
+__all__ = ["DDP", "DP", "FSDP", "HYBRID", "MP", "PIPELINE", "PS", "SINGLE", "Cost", "CostModel",
+           "PlanOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """The planner's per-strategy knobs (see :func:`paratrain.plan.model.plan`)."""
+
+    num_servers: int = 1
+    num_microbatches: int | None = None
+    overlap: float = 1.0
+    bucket_bytes: float = DEFAULT_BUCKET_BYTES
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cost:
+    """One step of one strategy, before the optimizer step (seconds, bytes)."""
+
+    devices: int
+    batch: int
+    compute: float
+    comm: float = 0.0
+    exposed: float = 0.0
+    bubble: float = 0.0
+    bubble_fraction: float = 0.0
+    traffic: float = 0.0
+    applicable: bool = True
+    note: str = ""
+    optimizer_divisor: int = 1
+    """How many devices (or servers) share the optimizer step, in parallel."""
+    shard_devices: int | None = None
+    """Devices the "N" parts of the sharding are split over; None: all of ``devices``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """How the planner costs one strategy."""
+
+    sharding: tuple[str, str, str]
+    """How (parameters, gradients, optimizer state) spread over the devices: "N" divides
+    by the number of devices, "1" keeps a full copy, "0" holds none."""
+
+    cost: Callable[[ModelProfile, Hardware, int, PlanOptions], Cost]
+    """``cost(profile, hardware, batch_size_per_device, options)``."""
+
+
+def _slowest_link(hw: Hardware) -> tuple[float, float]:
+    if hw.num_nodes > 1:
+        return hw.inter_node_bandwidth, hw.inter_node_latency
+    return hw.intra_node_bandwidth, hw.intra_node_latency
+
+
+def _single(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    return Cost(devices=1, batch=b, compute=b * pr.step_compute_time_per_sample)
+
+
+def _ddp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # Buckets are all-reduced while backward runs; only the last one, ready when backward
+    # ends, cannot hide.
+    w = hw.world_size
+    buckets = ddp_buckets(pr.grad_size, pr.num_layers, o.bucket_bytes)
+    comm = sum(allreduce_time(x, hw) for x in buckets)
+    exposed = exposed_comm_time(comm, b * pr.backward_time_per_sample, overlap=o.overlap,
+                                tail=allreduce_time(buckets[-1], hw))
+    return Cost(devices=w, batch=w * b, compute=b * pr.step_compute_time_per_sample, comm=comm,
+                exposed=exposed, traffic=allreduce_bytes(pr.grad_size, hw))
+
+
+def _fsdp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # One unit per layer. Forward all-gathers hide behind forward except the first; backward
+    # all-gathers + reduce-scatters hide behind backward except the last reduce-scatter.
+    w, layers = hw.world_size, pr.num_layers
+    ag = allgather_time(pr.param_size / layers, hw)
+    rs = reduce_scatter_time(pr.grad_size / layers, hw)
+    exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample, overlap=o.overlap,
+                              tail=ag)
+    exp_b = exposed_comm_time(layers * (ag + rs), b * pr.backward_time_per_sample,
+                              overlap=o.overlap, tail=rs)
+    return Cost(devices=w, batch=w * b, compute=b * pr.step_compute_time_per_sample,
+                comm=layers * (2 * ag + rs), exposed=exp_f + exp_b,
+                traffic=2 * allgather_bytes(pr.param_size, hw) + allgather_bytes(pr.grad_size, hw),
+                optimizer_divisor=w)
+
+
+def _hybrid(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # The default layout (HSDP): FSDP within each node, replicas across nodes. Per layer,
+    # parameters are all-gathered and gradients reduce-scattered over the node's n devices,
+    # then each 1/n shard of the gradients is all-reduced over the k nodes; overlap as FSDP.
+    n, k, layers = hw.num_devices_per_node, hw.num_nodes, pr.num_layers
+    bi, ai, be, ae = (hw.intra_node_bandwidth, hw.intra_node_latency, hw.inter_node_bandwidth,
+                      hw.inter_node_latency)
+    ag = ring_allgather_time(pr.param_size / layers, n, bi, ai)
+    rs = ring_reduce_scatter_time(pr.grad_size / layers, n, bi, ai)
+    ar = ring_allreduce_time(pr.grad_size / layers / n, k, be, ae)
+    exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample, overlap=o.overlap,
+                              tail=ag)
+    exp_b = exposed_comm_time(layers * (ag + rs + ar), b * pr.backward_time_per_sample,
+                              overlap=o.overlap, tail=rs + ar)
+    traffic = ((n - 1) / n * (2 * pr.param_size + pr.grad_size)
+               + 2 * (k - 1) / k * pr.grad_size / n)
+    return Cost(devices=n * k, batch=n * k * b, compute=b * pr.step_compute_time_per_sample,
+                comm=layers * (2 * ag + rs + ar), exposed=exp_f + exp_b, traffic=traffic,
+                note=f"shard {n} x replicate {k}", optimizer_divisor=n, shard_devices=n)
+
+
+def _ps(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    w, k = hw.world_size, o.num_servers
+    bw, lat = _slowest_link(hw)  # servers sit behind the inter-node link once there are nodes
+    comm = ps_comm_time(pr.grad_size, pr.param_size, num_workers=w, num_servers=k,
+                        bandwidth=bw, latency=lat)
+    # Workers keep no optimizer state; they wait while the k servers step their shards.
+    return Cost(devices=w, batch=w * b, compute=b * pr.step_compute_time_per_sample, comm=comm,
+                exposed=comm, traffic=w * (pr.grad_size + pr.param_size) / k,
+                note=f"+{k} server(s)", optimizer_divisor=k)
+
+
+def _dp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # One process drives the node's devices; parameters are copied out of device 0 and
+    # gradients copied back every step, serialized on device 0's link, with no overlap.
+    n, sp, sg = hw.num_devices_per_node, pr.param_size, pr.grad_size
+    comm = (n - 1) * (sp + sg) / hw.intra_node_bandwidth + 2 * (n - 1) * hw.intra_node_latency
+    return Cost(devices=n, batch=n * b, compute=b * pr.step_compute_time_per_sample, comm=comm,
+                exposed=comm, traffic=(n - 1) * (sp + sg),
+                note="one node only" if hw.num_nodes > 1 else "")
+
+
+def _mp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # One process, the layers spread over the node's devices, one device busy at a time:
+    # the whole batch runs every layer in turn, and each device boundary (plus the output's
+    # way back to device 0) is crossed forward and again backward with nothing to hide behind.
+    n = hw.num_devices_per_node
+    compute = b * pr.step_compute_time_per_sample
+    note = "one node only" if hw.num_nodes > 1 else ""
+    if n == 1:
+        return Cost(devices=1, batch=b, compute=compute, note="needs 2+ devices: runs as single")
+    layers = len(pr.chain) or pr.num_layers
+    if layers < n:
+        return Cost(devices=n, batch=b, compute=compute, applicable=False,
+                    note=f"needs >= {n} layers, model has {layers}")
+    if pr.chain:
+        cuts = balanced_split([params for params, _ in pr.chain], n)
+        crossing = [pr.chain[i - 1][1] for i in cuts] + [pr.chain[-1][1]]
+    else:
+        crossing = [pr.activation_bytes_per_sample / pr.num_layers] * n
+    sent = b * sum(crossing)
+    comm = 2 * (sent / hw.intra_node_bandwidth + n * hw.intra_node_latency)
+    return Cost(devices=n, batch=b, compute=compute, comm=comm, exposed=comm,
+                traffic=2 * sent, note=note)
+
+
+def _pipeline(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # p stages = all devices; the mini-batch is b * p samples (same global batch as DDP),
+    # split into m micro-batches.
+    p = hw.world_size
+    batch = b * p
+    m = min(4 * p, batch) if o.num_microbatches is None else o.num_microbatches
+    if m > batch:
+        raise ValueError(f"num_microbatches ({m}) must not exceed the mini-batch of {batch} samples")
+    layers = len(pr.chain) or pr.num_layers
+    if layers < p:
+        return Cost(devices=p, batch=batch, compute=b * pr.step_compute_time_per_sample,
+                    applicable=False, note=f"needs >= {p} layers, model has {layers}",
+                    optimizer_divisor=p)
+    micro = batch / m
+    shares = [1.0 / p] * p  # of the model's compute, per stage
+    if pr.chain and p > 1:
+        # Cut as the pipeline strategy cuts (balanced parameters); the largest crossing
+        # tensor sets the pace of the boundary transfers.
+        cuts = balanced_split([params for params, _ in pr.chain], p)
+        boundary = micro * max(pr.chain[i - 1][1] for i in cuts)
+        total = sum(pr.chain_times)
+        if total > 0:
+            bounds = [0, *cuts, len(pr.chain)]
+            shares = [sum(pr.chain_times[lo:hi]) / total for lo, hi in zip(bounds, bounds[1:])]
+    else:
+        boundary = micro * pr.activation_bytes_per_sample / pr.num_layers
+    # One stage's forward + backward of one micro-batch. Parameters balance the cut, not
+    # compute: the slowest stage sets the pace.
+    stage = [micro * pr.step_compute_time_per_sample * share for share in shares]
+    slot_max, slot_sum = max(stage), sum(stage)
+    bw, lat = _slowest_link(hw)  # the slowest stage boundary sets the pace
+    p2p = 0.0 if p == 1 else lat + boundary / bw  # activation forward or its gradient backward
+    # The first micro-batch passes every stage and crosses every boundary forward and back
+    # with nothing to hide behind (fill and drain). In the steady state a stage computes
+    # the next micro-batch while its sends are in flight, and activations and gradients
+    # use the two directions of the link, so each further micro-batch costs
+    # max(slowest stage, one transfer) when sends overlap compute and the slowest stage
+    # plus both transfers when they do not.
+    hidden = max(slot_max, p2p)
+    serial = slot_max + 2 * p2p
+    per_micro = o.overlap * hidden + (1 - o.overlap) * serial
+    busy = slot_sum + (m - 1) * slot_max  # the step without transfers
+    step = slot_sum + 2 * (p - 1) * p2p + (m - 1) * per_micro
+    compute = m * slot_sum / p  # one device's work, on average
+    return Cost(devices=p, batch=batch, compute=compute, comm=2 * m * p2p,
+                exposed=max(0.0, step - busy), bubble=busy - compute,
+                bubble_fraction=(busy - compute) / busy if busy > 0 else 0.0,
+                traffic=0.0 if p == 1 else 2 * m * boundary, note=f"m={m}",
+                optimizer_divisor=p)
+
+
+SINGLE = CostModel(sharding=("1", "1", "1"), cost=_single)
+DDP = CostModel(sharding=("1", "1", "1"), cost=_ddp)
+FSDP = CostModel(sharding=("N", "N", "N"), cost=_fsdp)
+PIPELINE = CostModel(sharding=("N", "N", "N"), cost=_pipeline)  # each stage holds 1/p of the layers
+# Only hybrid's default layout: pipeline_degree and shard_degree are strategy options the
+# planner does not take.
+HYBRID = CostModel(sharding=("N", "N", "N"), cost=_hybrid)
+PS = CostModel(sharding=("1", "1", "0"), cost=_ps)  # the servers hold the optimizer state
+DP = CostModel(sharding=("1", "1", "1"), cost=_dp)  # device 0 holds the master copy and the optimizer
+MP = CostModel(sharding=("N", "N", "N"), cost=_mp)  # each device holds its layers
