@@ -7,6 +7,7 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.spawn import spawn
+from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.pipeline.deferred import Deferred, Node
 from paratrain.strategies.pipeline.module import microbatches_for
 from paratrain.strategies.pipeline.strategy import PipelineOptions, balanced_split, stage_layers
@@ -76,12 +77,12 @@ def train(strategy, num_steps, *, options=None, accumulate=1, max_grad_norm=None
             run.backward(loss)
             if first_grads is None:
                 first_grads = {n: p.grad.clone() for n, p in
-                               run.strategy.checkpoint_module(model).named_parameters()}
+                               local_module(run.strategy, model).named_parameters()}
             run.step(optimizer)
             losses.append(run.mean(loss))
     evaluation = run.evaluate(model, run.eval_loader(dataset(37), batch_size=10))
     params = {k: v.detach().clone()
-              for k, v in run.strategy.checkpoint_module(model).state_dict().items()}
+              for k, v in local_module(run.strategy, model).state_dict().items()}
     run.close()
     return params, first_grads, losses, evaluation
 
