@@ -285,7 +285,7 @@ def run_job(spec: JobSpec, out_dir: Path) -> dict[str, Any]:
         result = {
             "rank": run.rank, "world_size": run.world_size,
             "data_parallel_size": run.strategy.data_parallel_size,
-            "strategy": run.strategy.name, "notice": getattr(run.strategy, "notice", lambda: None)(),
+            "strategy": run.strategy.name, "notice": run.strategy.notice(),
             "device": str(run.device), "precision": spec.precision, "batch_size": spec.batch_size, "steps": spec.steps,
             "repeats": spec.repeats,
             "samples_per_step": spec.batch_size * run.strategy.data_parallel_size,
