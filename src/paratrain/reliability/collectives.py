@@ -48,7 +48,8 @@ _DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
            torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
            torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8"}
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PARATRAIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The package root (this file sits one folder below it).
+_PARATRAIN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _HISTORY = 16
 _WRAPPED = "__paratrain_recorder__"
 

@@ -44,7 +44,7 @@ ENV_GRACE = "PARATRAIN_TERM_GRACE_S"
 # Set by ``paratrain launch`` for its workers: it reports their errors itself.
 ENV_LAUNCHED = "PARATRAIN_LAUNCHED"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # the package root
 
 
 class GracefulStop:
