@@ -17,7 +17,8 @@ def tensor_dataset(n=23):
     g = torch.Generator().manual_seed(5)
     return TensorDataset(torch.randn(n, 1, 3, 3, generator=g), torch.randint(0, 9, (n,), generator=g),
                          torch.randint(0, 255, (n, 2), generator=g).to(torch.uint8),
-                         torch.randn(n, generator=g).double() > 0)
+                         torch.randn(n, generator=g).double() > 0,
+                         torch.randn(n, 2, generator=g).bfloat16())
 
 
 class DictItems(Dataset):
