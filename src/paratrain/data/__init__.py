@@ -1,5 +1,6 @@
 """Distributed sampling and loading with an exact, resumable cursor."""
 
+from paratrain.data.batched import BatchedLoader, batched_source, build_loader
 from paratrain.data.loader import (
     DataCursor,
     DistributedLoader,
@@ -8,4 +9,5 @@ from paratrain.data.loader import (
     move_to_device,
 )
 
-__all__ = ["DataCursor", "DistributedLoader", "ShardedSampler", "epoch_order", "move_to_device"]
+__all__ = ["BatchedLoader", "DataCursor", "DistributedLoader", "ShardedSampler", "batched_source",
+           "build_loader", "epoch_order", "move_to_device"]

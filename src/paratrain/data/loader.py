@@ -105,8 +105,12 @@ class ShardedSampler(Sampler[int]):
             order = torch.cat([order, order[: total - self.num_samples]])
         return order[min(self.cursor.offset, total) : total]
 
+    def indices(self) -> torch.Tensor:
+        """This rank's remaining sample indices, in order, as one int64 tensor."""
+        return self._remaining_positions()[self.rank :: self.num_replicas]
+
     def __iter__(self) -> Iterator[int]:
-        return iter(self._remaining_positions()[self.rank :: self.num_replicas].tolist())
+        return iter(self.indices().tolist())
 
     def __len__(self) -> int:
         remaining = max(0, self.total_size - self.cursor.offset)
@@ -183,13 +187,18 @@ class DistributedLoader:
         self._generator.manual_seed(
             (self.sampler.seed * 1_000_003 + cursor.epoch) * 4099 + self.sampler.rank
         )
-        non_blocking = self.dataloader.pin_memory and self.device.type == "cuda"
-        for index, batch in enumerate(self.dataloader):
+        for index, batch in enumerate(self._device_batches()):
             self.batches_in_epoch = index + 1
-            yield move_to_device(batch, self.device, non_blocking=non_blocking)
+            yield batch
         # The epoch is exhausted; the position now reads as the end of the epoch.
         self.sampler.cursor.offset = self.sampler.total_size
         self.batches_in_epoch = 0
+
+    def _device_batches(self) -> Iterator[Any]:
+        """This epoch's remaining batches on ``device``; subclasses change how they are built."""
+        non_blocking = self.dataloader.pin_memory and self.device.type == "cuda"
+        for batch in self.dataloader:
+            yield move_to_device(batch, self.device, non_blocking=non_blocking)
 
 
 def move_to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:

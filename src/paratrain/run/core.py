@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 
 from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.config import RunConfig
+from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler
 from paratrain.distributed.process_group import destroy_process_group
 from paratrain.losses import GlobalCount
@@ -155,28 +156,35 @@ class Run(TrainStep):
 
     def loader(self, dataset: Dataset, *, batch_size: int, shuffle: bool = True,
                drop_last: bool = False, num_workers: int = 0, pin_memory: bool | None = None,
-               persistent_workers: bool = True, collate_fn: Any = None) -> DistributedLoader:
+               persistent_workers: bool = True, collate_fn: Any = None, batched: bool = True,
+               device_resident: bool = False) -> DistributedLoader:
         """A training loader over this rank's shard; reshuffled each epoch by :meth:`epochs`.
 
         ``batch_size`` is per rank; the global batch is ``batch_size * data-parallel size``.
         With ``drop_last=False`` the last samples are padded from the start of the
-        epoch so every rank takes the same number of steps.
+        epoch so every rank takes the same number of steps. ``batched`` gathers each
+        batch of an in-memory dataset with one indexing operation (same batches, see
+        docs/performance.md); ``device_resident`` keeps such a dataset on the GPU.
         """
         return self._make_loader(dataset, batch_size=batch_size, shuffle=shuffle, pad=True,
                                  drop_last=drop_last, num_workers=num_workers,
                                  pin_memory=pin_memory, persistent_workers=persistent_workers,
-                                 collate_fn=collate_fn, train=True)
+                                 collate_fn=collate_fn, train=True, batched=batched,
+                                 device_resident=device_resident)
 
     def eval_loader(self, dataset: Dataset, *, batch_size: int, num_workers: int = 0,
-                    collate_fn: Any = None) -> DistributedLoader:
+                    collate_fn: Any = None, batched: bool = True,
+                    device_resident: bool = False) -> DistributedLoader:
         """An evaluation loader: every sample exactly once across ranks (no padding)."""
         return self._make_loader(dataset, batch_size=batch_size, shuffle=False, pad=False,
                                  drop_last=False, num_workers=num_workers, pin_memory=None,
-                                 persistent_workers=False, collate_fn=collate_fn, train=False)
+                                 persistent_workers=False, collate_fn=collate_fn, train=False,
+                                 batched=batched, device_resident=device_resident)
 
     def _make_loader(self, dataset: Dataset, *, batch_size: int, shuffle: bool, pad: bool,
                      drop_last: bool, num_workers: int, pin_memory: bool | None,
-                     persistent_workers: bool, collate_fn: Any, train: bool) -> DistributedLoader:
+                     persistent_workers: bool, collate_fn: Any, train: bool, batched: bool,
+                     device_resident: bool) -> DistributedLoader:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
@@ -186,11 +194,12 @@ class Run(TrainStep):
             rank=self.strategy.data_parallel_rank, shuffle=shuffle, seed=self.config.seed,
             drop_last=drop_last, pad=pad,
         )
-        loader = DistributedLoader(
+        loader = build_loader(
             dataset, sampler, batch_size=batch_size, device=self.device,
             num_workers=num_workers,
             pin_memory=self.device.type == "cuda" if pin_memory is None else pin_memory,
-            persistent_workers=persistent_workers, collate_fn=collate_fn,
+            persistent_workers=persistent_workers, collate_fn=collate_fn, batched=batched,
+            device_resident=device_resident,
         )
         if train:
             self._train_loader = loader
