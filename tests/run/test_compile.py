@@ -1,0 +1,155 @@
+"""``Run(compile=...)``: compiled strategies match eager, bad input is one line, the
+CUDA-graph conditions are checked up front, and the step keeps values on the device.
+
+The multi-rank tests use the ``aot_eager`` backend (Dynamo + AOTAutograd, no code
+generation): inductor works on CPU here but needs ~25 s of C++ compilation per graph,
+so it is exercised once, in the single-process test.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.compile import CompileOptions, partial_batch_notice, resolve
+from paratrain.distributed.spawn import spawn
+
+LOSS_TOLERANCE = 1e-5  # relative: compiled kernels may reorder float reductions
+
+
+def dataset():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 6, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 2))
+
+
+def train(*, strategy="single", compile=False, batch_size=8, backend_calls=None, **config):
+    run = paratrain.Run(strategy=strategy, accelerator="cpu", progress=False, seed=5,
+                        compile=compile, **config)
+    model = mlp()
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.2))
+    loader = run.loader(dataset(), batch_size=batch_size)
+    losses = []
+    for _ in run.epochs(1):
+        for x, y in loader:
+            loss = F.cross_entropy(model(x), y)
+            run.backward(loss)
+            run.step(optimizer)
+            losses.append(loss.item())
+    keys = sorted(run.strategy.unwrap(model).state_dict())
+    stats = run.epoch_stats[-1]
+    run.close()
+    return losses, keys, stats
+
+
+def counting_backend(calls):
+    def backend(gm, example_inputs):
+        calls.append(len(list(gm.graph.nodes)))
+        return gm.forward
+    return backend
+
+
+# -- configuration and checks (no compilation) -------------------------------------------
+def test_compile_options_are_validated_with_one_line():
+    assert CompileOptions.from_config(False) is None
+    assert CompileOptions.from_config(True) == CompileOptions()
+    with pytest.raises(ValueError, match=r"compile has unknown key\(s\) \['modee'\]"):
+        paratrain.Run(accelerator="cpu", progress=False, compile={"modee": "default"})
+    with pytest.raises(ValueError, match="compile\\['mode'\\] must be one of"):
+        CompileOptions.from_config({"mode": "fast"})
+    with pytest.raises(ValueError, match="compile must be True, False or a dict"):
+        CompileOptions.from_config("yes")
+
+
+def test_cuda_graphs_fall_back_with_the_reasons():
+    graphs = CompileOptions(mode="reduce-overhead", dynamic=True)
+    options, notice = resolve(graphs, device=torch.device("cpu"), precision="16-mixed",
+                              strategy_reason="FSDP's all-gathers run between the graphs")
+    assert options.mode is None and not options.cuda_graphs and options.dynamic
+    assert "\n" not in notice
+    for reason in ("CUDA device", "dynamic", "16-mixed", "FSDP"):
+        assert reason in notice
+    ok, none = resolve(CompileOptions(mode="reduce-overhead"), device=torch.device("cuda", 0),
+                       precision="bf16-mixed", strategy_reason=None)
+    assert ok.cuda_graphs and none is None
+    autotune = CompileOptions(mode="max-autotune").without_cuda_graphs()
+    assert autotune.mode == "max-autotune-no-cudagraphs"
+
+
+def test_partial_last_batch_is_reported_for_cuda_graphs():
+    assert partial_batch_notice(samples_per_rank=32, batch_size=8) is None
+    notice = partial_batch_notice(samples_per_rank=30, batch_size=8)
+    assert "6 of 8 samples" in notice and "30" in notice
+
+
+def test_strategy_without_compile_support_is_one_line(capsys):
+    run = paratrain.Run(strategy="mp", accelerator="cpu", progress=False, compile=True)
+    model = mlp()
+    with pytest.raises(ValueError, match="compile is not supported with strategy 'mp'; use "):
+        run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    run.close()
+
+
+def test_last_grad_norm_stays_on_the_device_until_read():
+    run = paratrain.Run(accelerator="cpu", progress=False, max_grad_norm=0.01)
+    model = mlp()
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = dataset().tensors
+    run.backward(F.cross_entropy(model(x), y))
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    run.step(optimizer)
+    assert isinstance(run._last_grad_norm, torch.Tensor)
+    assert isinstance(run.last_grad_norm, float)
+    assert run.last_grad_norm == pytest.approx(float(expected), rel=1e-6)
+    run.close()
+
+
+# -- compiled training against eager ----------------------------------------------------
+@pytest.mark.slow
+def test_compiled_single_with_inductor_matches_eager():
+    eager, eager_keys, eager_stats = train()
+    compiled, keys, stats = train(compile={"backend": "inductor"})
+    assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
+    assert keys == eager_keys  # no "_orig_mod." in checkpoints
+    assert "compile_s" not in eager_stats
+    # The compiling step is timed apart and left out of the epoch's samples.
+    assert stats["compile_s"] > stats["seconds"] / 3 and stats["samples"] == 32 - 8
+
+
+def ddp_worker(rank, world_size):
+    calls = []
+    eager, _, _ = train(strategy="ddp")
+    # A tiny bucket gives one bucket per layer: Dynamo's DDP optimiser splits there.
+    compiled, _, _ = train(strategy="ddp", compile={"backend": counting_backend(calls)},
+                           strategy_options={"bucket_cap_mb": 1e-5})
+    aot, _, stats = train(strategy="ddp", compile={"backend": "aot_eager"})
+    return eager, compiled, aot, len(calls), stats
+
+
+@pytest.mark.slow
+def test_compiled_ddp_matches_eager_and_splits_at_buckets():
+    for eager, compiled, aot, graphs, stats in spawn(ddp_worker, 2):
+        assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
+        assert aot == pytest.approx(eager, rel=LOSS_TOLERANCE)
+        assert graphs > 1  # one graph per bucket, not one for the whole model
+        assert stats["compile_s"] > 0
+
+
+def fsdp_worker(rank, world_size):
+    eager, _, _ = train(strategy="fsdp")
+    compiled, keys, _ = train(strategy="fsdp", compile={"backend": "aot_eager"})
+    return eager, compiled, keys
+
+
+@pytest.mark.slow
+def test_compiled_fsdp_matches_eager():
+    for eager, compiled, keys in spawn(fsdp_worker, 2):
+        assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
+        assert not any("_orig_mod" in k for k in keys)
