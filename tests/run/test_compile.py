@@ -25,15 +25,15 @@ def dataset():
     return TensorDataset(x, (x[:, 0] > 0).long())
 
 
-def mlp():
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 2))
+def mlp(hidden=16):
+    return nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                         nn.Linear(hidden, 2))
 
 
-def train(*, strategy="single", compile=False, batch_size=8, backend_calls=None, **config):
+def train(*, strategy="single", compile=False, batch_size=8, hidden=16, **config):
     run = paratrain.Run(strategy=strategy, accelerator="cpu", progress=False, seed=5,
                         compile=compile, **config)
-    model = mlp()
+    model = mlp(hidden)
     model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.2))
     loader = run.loader(dataset(), batch_size=batch_size)
     losses = []
@@ -89,10 +89,15 @@ def test_partial_last_batch_is_reported_for_cuda_graphs():
     assert "6 of 8 samples" in notice and "30" in notice
 
 
-def test_strategy_without_compile_support_is_one_line(capsys):
-    run = paratrain.Run(strategy="mp", accelerator="cpu", progress=False, compile=True)
+@pytest.mark.parametrize("strategy, options, message", [
+    ("mp", {}, "compile is not supported with strategy 'mp'; use "),
+    ("ddp", {"bucket_cap_mb": 0.5}, "compile with strategy 'ddp' needs bucket_cap_mb >= 1"),
+])
+def test_combination_that_cannot_compile_is_one_line(strategy, options, message):
+    run = paratrain.Run(strategy=strategy, accelerator="cpu", progress=False, compile=True,
+                        strategy_options=options)
     model = mlp()
-    with pytest.raises(ValueError, match="compile is not supported with strategy 'mp'; use "):
+    with pytest.raises(ValueError, match=message):
         run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     run.close()
 
@@ -125,17 +130,17 @@ def test_compiled_single_with_inductor_matches_eager():
 
 def ddp_worker(rank, world_size):
     calls = []
-    eager, _, _ = train(strategy="ddp")
-    # A tiny bucket gives one bucket per layer: Dynamo's DDP optimiser splits there.
-    compiled, _, _ = train(strategy="ddp", compile={"backend": counting_backend(calls)},
-                           strategy_options={"bucket_cap_mb": 1e-5})
-    aot, _, stats = train(strategy="ddp", compile={"backend": "aot_eager"})
+    # 1.45 MB of parameters over 1 MiB buckets: Dynamo's DDP optimiser splits the graph.
+    wide = {"hidden": 600, "strategy_options": {"bucket_cap_mb": 1}}
+    eager, _, _ = train(strategy="ddp", **wide)
+    compiled, _, _ = train(strategy="ddp", compile={"backend": counting_backend(calls)}, **wide)
+    aot, _, stats = train(strategy="ddp", compile={"backend": "aot_eager"}, **wide)
     return eager, compiled, aot, len(calls), stats
 
 
 @pytest.mark.slow
 def test_compiled_ddp_matches_eager_and_splits_at_buckets():
-    for eager, compiled, aot, graphs, stats in spawn(ddp_worker, 2):
+    for eager, compiled, aot, graphs, stats in spawn(ddp_worker, 2, timeout=400):
         assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
         assert aot == pytest.approx(eager, rel=LOSS_TOLERANCE)
         assert graphs > 1  # one graph per bucket, not one for the whole model
@@ -150,6 +155,6 @@ def fsdp_worker(rank, world_size):
 
 @pytest.mark.slow
 def test_compiled_fsdp_matches_eager():
-    for eager, compiled, keys in spawn(fsdp_worker, 2):
+    for eager, compiled, keys in spawn(fsdp_worker, 2, timeout=400):
         assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
         assert not any("_orig_mod" in k for k in keys)

@@ -73,6 +73,11 @@ class DDPStrategy(Strategy, Compiles):
         self._compile: CompileOptions | None = None
 
     def configure_compile(self, options: CompileOptions) -> None:
+        if self.options.bucket_cap_mb < 1:
+            # Dynamo's DDP optimiser keeps DDP's first bucket at 1 MiB and refuses smaller
+            # buckets after it.
+            raise ValueError(f"compile with strategy 'ddp' needs bucket_cap_mb >= 1, got "
+                             f"{self.options.bucket_cap_mb:g}; raise it or use compile=False")
         self._compile = options
 
     def setup_model(self, model: nn.Module) -> nn.Module:
