@@ -177,6 +177,9 @@ class TrainStep:
                 # The first training micro-step (forward to backward) is counted for MFU.
                 self._flop_counter.start(args, kwargs)
                 self._compile_clock.start()
+                if self._compile is not None and self._compile.cuda_graphs:
+                    # A new micro-step: the previous replay's outputs may be reused.
+                    torch.compiler.cudagraph_mark_step_begin()
             if (torch.is_grad_enabled() and model.training and self._sync_context is None
                     and not self._at_boundary()):
                 # Not the last micro-step: forward and backward run inside no_sync so
