@@ -1,9 +1,10 @@
 """``Run(compile=...)``: compiled strategies match eager, bad input is one line, the
 CUDA-graph conditions are checked up front, and the step keeps values on the device.
 
-The multi-rank tests use the ``aot_eager`` backend (Dynamo + AOTAutograd, no code
-generation): inductor works on CPU here but needs ~25 s of C++ compilation per graph,
-so it is exercised once, in the single-process test.
+Inductor works on CPU (with a C++ compiler) but needs ~25 s of C++ compilation per
+graph on two cores, so it is exercised once, in the single-process test; ``fsdp`` uses
+``aot_eager`` (Dynamo + AOTAutograd, no code generation) and ``ddp`` a counting backend
+that runs Dynamo's graphs as they are, to see the DDP optimiser's split.
 """
 
 import pytest
@@ -118,6 +119,7 @@ def test_last_grad_norm_stays_on_the_device_until_read():
 
 # -- compiled training against eager ----------------------------------------------------
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_compiled_single_with_inductor_matches_eager():
     eager, eager_keys, eager_stats = train()
     compiled, keys, stats = train(compile={"backend": "inductor"})
@@ -133,16 +135,16 @@ def ddp_worker(rank, world_size):
     # 1.45 MB of parameters over 1 MiB buckets: Dynamo's DDP optimiser splits the graph.
     wide = {"hidden": 600, "strategy_options": {"bucket_cap_mb": 1}}
     eager, _, _ = train(strategy="ddp", **wide)
-    compiled, _, _ = train(strategy="ddp", compile={"backend": counting_backend(calls)}, **wide)
-    aot, _, stats = train(strategy="ddp", compile={"backend": "aot_eager"}, **wide)
-    return eager, compiled, aot, len(calls), stats
+    compiled, _, stats = train(strategy="ddp", compile={"backend": counting_backend(calls)},
+                               **wide)
+    return eager, compiled, len(calls), stats
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_compiled_ddp_matches_eager_and_splits_at_buckets():
-    for eager, compiled, aot, graphs, stats in spawn(ddp_worker, 2, timeout=400):
+    for eager, compiled, graphs, stats in spawn(ddp_worker, 2, timeout=800):
         assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
-        assert aot == pytest.approx(eager, rel=LOSS_TOLERANCE)
         assert graphs > 1  # one graph per bucket, not one for the whole model
         assert stats["compile_s"] > 0
 
@@ -154,7 +156,8 @@ def fsdp_worker(rank, world_size):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_compiled_fsdp_matches_eager():
-    for eager, compiled, keys in spawn(fsdp_worker, 2, timeout=400):
+    for eager, compiled, keys in spawn(fsdp_worker, 2, timeout=800):
         assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
         assert not any("_orig_mod" in k for k in keys)
