@@ -1,8 +1,8 @@
 """``Run(compile=...)``: compiled strategies match eager, bad input is one line, the
 CUDA-graph conditions are checked up front, and the step keeps values on the device.
 
-Inductor works on CPU (with a C++ compiler) but needs ~25 s of C++ compilation per
-graph on two cores, so it is exercised once, in the single-process test; ``fsdp`` uses
+Inductor works on CPU (with a C++ compiler) but needs tens of seconds of C++ compilation
+per graph on two cores, so it is exercised once, in the single-process test; ``fsdp`` uses
 ``aot_eager`` (Dynamo + AOTAutograd, no code generation) and ``ddp`` a counting backend
 that runs Dynamo's graphs as they are, to see the DDP optimiser's split.
 """
