@@ -15,7 +15,7 @@ the concrete strategy class nor by probing for attributes:
   (``fsdp``'s dtype policy) or refuses modes it cannot honour.
 * :class:`ReportsMetrics`: values added to each epoch's metrics (``ps``).
 * :class:`Compiles`: applies ``torch.compile`` at the right point of its set-up
-  (``single``, ``ddp``, ``fsdp``, ``pipeline``, ``hybrid``).
+  (``single``, ``ddp``, ``fsdp``, ``hybrid``; ``pipeline`` in one process only).
 
 Example:
     >>> from paratrain.strategies.capabilities import ShardedState
@@ -122,7 +122,7 @@ class ReportsMetrics(ABC):
 
 class Compiles(ABC):
     """The strategy applies ``torch.compile`` in ``setup_model`` where its wrapping needs
-    it: after activation checkpointing, inside DDP, per block before FSDP, per stage."""
+    it: after activation checkpointing, inside DDP, per block before FSDP."""
 
     @abstractmethod
     def configure_compile(self, options: CompileOptions) -> None:
@@ -162,7 +162,7 @@ def require_compile(strategy: Strategy) -> Compiles:
     """``strategy`` as :class:`Compiles`; a one-line ValueError when it cannot compile."""
     if not isinstance(strategy, Compiles):
         raise ValueError(f"compile is not supported with strategy {strategy.name!r}; "
-                         "use compile=False or one of single, ddp, fsdp, pipeline, hybrid")
+                         "use compile=False or one of single, ddp, fsdp, hybrid")
     return strategy
 
 
