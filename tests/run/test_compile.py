@@ -4,8 +4,7 @@ CUDA-graph conditions are checked up front, and the step keeps values on the dev
 Inductor works on CPU (with a C++ compiler) but needs tens of seconds of C++ compilation
 per graph on two cores, so it is exercised once, in the single-process test; ``ddp`` and
 ``fsdp`` use a counting backend that runs Dynamo's graphs as they are, to see where the
-graphs are split (runs with ``aot_eager`` in spawned ranks did not finish in 10 minutes
-here, cause not found).
+graphs are split.
 """
 
 import pytest
