@@ -71,7 +71,15 @@ class RunConfig:
     """Peak FLOP/s of one device for MFU, overriding the table of known GPUs (needed
     on CPU and unlisted GPUs); 0 turns FLOP counting and MFU off."""
 
+    compile: bool | dict[str, Any] = False
+    """``torch.compile`` the model in ``run.prepare``: True, or a dict of its options
+    (``mode``, ``fullgraph``, ``dynamic``, ``backend``, ``options``). The strategy places
+    it (see ``docs/performance.md``); ``{"mode": "reduce-overhead"}`` adds CUDA graphs."""
+
     def __post_init__(self) -> None:
+        from paratrain.compile import CompileOptions
+
+        CompileOptions.from_config(self.compile)
         if not isinstance(self.strategy, str) or not self.strategy:
             raise ValueError(f"strategy must be a strategy name, got {self.strategy!r}")
         if self.precision not in PRECISIONS:

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain.activation_checkpointing import apply_activation_checkpointing
+from paratrain.compile import CompileClock, CompileOptions
 from paratrain.config import RunConfig
 from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler
@@ -85,8 +86,9 @@ class Run(TrainStep):
         self._micro_step = 0
         self._backward_in_group = False
         self._counts = GlobalCount()
-        self.last_grad_norm: float | None = None
-        """Global gradient norm before clipping at the last step (with ``max_grad_norm``)."""
+        self._last_grad_norm: torch.Tensor | None = None  # see TrainStep.last_grad_norm
+        self._compile: CompileOptions | None = None
+        self._compile_clock = CompileClock(enabled=False)
         self._sync_context: contextlib.ExitStack | None = None
         self._train_loader: DistributedLoader | None = None
         self._epoch_start = (0, time.perf_counter())
@@ -139,6 +141,7 @@ class Run(TrainStep):
         if self.config.checkpoint_activations is not None:
             apply_activation_checkpointing(model, self.config.checkpoint_activations)
         model = self.precision.convert_module(model)
+        self._configure_compile()  # after checkpointing: compile sees the recompute
         # Wrapping communicates (DDP broadcasts the parameters): a peer lost here is one
         # line too.
         with self._guard_peers():
@@ -202,6 +205,7 @@ class Run(TrainStep):
             device_resident=device_resident,
         )
         if train:
+            self._check_static_batches(sampler, batch_size)
             self._train_loader = loader
             self.state.register_loader(loader)
         return loader
@@ -231,15 +235,18 @@ class Run(TrainStep):
         """Global samples, seconds and samples/s of the current epoch so far.
 
         Also ``tokens_per_s`` (with ``tokens_per_sample``), ``tflops_per_device``
-        once the first step's FLOPs are counted, and ``mfu`` (None when n/a).
+        once the first step's FLOPs are counted, and ``mfu`` (None when n/a). With
+        ``compile``, ``compile_s`` is the first step's time, which the rates leave out.
         """
         start_offset, start_time = self._epoch_start
         elapsed = time.perf_counter() - start_time
         loader = self._train_loader
         samples = (loader.position - start_offset) if loader is not None else 0
         speed = samples / elapsed if elapsed > 0 else 0.0
+        compiled = {"compile_s": self._compile_clock.seconds} if self._compile_clock.enabled \
+            else {}
         return {"samples": samples, "seconds": elapsed, "samples_per_s": speed,
-                **self.throughput.rates(speed)}
+                **self.throughput.rates(speed), **compiled}
 
     def progress(self, batches: Iterable[Any], *, desc: str | None = None) -> Iterator[Any]:
         """Iterate ``batches`` with a rank-0 progress bar counting global samples."""

@@ -14,13 +14,48 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.data.loader import DataCursor
+from paratrain import compile as compiling
+from paratrain.data.loader import DataCursor, ShardedSampler
 from paratrain.run import misuse
 from paratrain.run.build import guard_peers
+from paratrain.strategies.capabilities import require_compile
 
 
 class TrainStep:
     """The training-step methods of :class:`paratrain.Run` (which owns every attribute)."""
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm before clipping at the last step (with ``max_grad_norm``).
+
+        Kept on the device by the step and read only here, so that a step does not wait
+        for the device; reading it waits for that step's gradients.
+        """
+        norm = self._last_grad_norm
+        return None if norm is None else float(norm)
+
+    def _configure_compile(self) -> None:
+        """Hand ``compile`` to the strategy before ``setup_model`` (CUDA graphs checked)."""
+        options = compiling.CompileOptions.from_config(self.config.compile)
+        if options is None:
+            return
+        strategy = require_compile(self.strategy)
+        options, fallback = compiling.resolve(
+            options, device=self.device, precision=self.config.precision,
+            strategy_reason=strategy.cuda_graphs_blocker())
+        if fallback:
+            self.print(fallback)
+        strategy.configure_compile(options)
+        self._compile = options
+        self._compile_clock.enabled = True
+
+    def _check_static_batches(self, sampler: ShardedSampler, batch_size: int) -> None:
+        if self._compile is not None and self._compile.cuda_graphs:
+            notice = compiling.partial_batch_notice(
+                samples_per_rank=sampler.total_size // sampler.num_replicas,
+                batch_size=batch_size)
+            if notice:
+                self.print(notice)
 
     def backward(self, loss: torch.Tensor, *, count: torch.Tensor | float | None = None) -> None:
         """Backward pass of ``loss``, scaled for accumulation and precision.
@@ -42,6 +77,11 @@ class TrainStep:
                 self.strategy.backward(self.precision.scale_loss(loss))
         finally:
             self._count_flops_done()
+        if self._compile_clock.stop():
+            # The compiling step is reported as compile_s, not in the epoch's samples/s.
+            loader = self._train_loader
+            self._epoch_start = (loader.position if loader is not None else 0,
+                                 self._compile_clock.stopped_at)
         if self._sync_context is not None:
             self._sync_context.close()
             self._sync_context = None
@@ -93,7 +133,8 @@ class TrainStep:
             self.precision.unscale(optimizer)
             norms = [self.strategy.clip_grad_norm(m, self.config.max_grad_norm)
                      for m in self.state.models]
-            self.last_grad_norm = float(torch.stack([n.float() for n in norms]).norm())
+            # A tensor: converting it here would wait for the device every step.
+            self._last_grad_norm = torch.stack([n.float() for n in norms]).norm()
         stepped = self.precision.step(optimizer, lambda: self.strategy.optimizer_step(optimizer))
         optimizer.zero_grad(set_to_none=True)
         if stepped:
@@ -135,6 +176,10 @@ class TrainStep:
             if torch.is_grad_enabled() and model.training:
                 # The first training micro-step (forward to backward) is counted for MFU.
                 self._flop_counter.start(args, kwargs)
+                self._compile_clock.start()
+                if self._compile is not None and self._compile.cuda_graphs:
+                    # A new micro-step: the previous replay's outputs may be reused.
+                    torch.compiler.cudagraph_mark_step_begin()
             if (torch.is_grad_enabled() and model.training and self._sync_context is None
                     and not self._at_boundary()):
                 # Not the last micro-step: forward and backward run inside no_sync so

@@ -14,6 +14,8 @@ the concrete strategy class nor by probing for attributes:
 * :class:`PrecisionPolicy`: the strategy adopts the run's precision itself
   (``fsdp``'s dtype policy) or refuses modes it cannot honour.
 * :class:`ReportsMetrics`: values added to each epoch's metrics (``ps``).
+* :class:`Compiles`: applies ``torch.compile`` at the right point of its set-up
+  (``single``, ``ddp``, ``fsdp``, ``hybrid``; ``pipeline`` in one process only).
 
 Example:
     >>> from paratrain.strategies.capabilities import ShardedState
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from paratrain.compile import CompileOptions
     from paratrain.precision import Precision
     from paratrain.strategies.base import Strategy
 
@@ -117,8 +120,21 @@ class ReportsMetrics(ABC):
         """Values added to the epoch's metrics (rank 0 logs them)."""
 
 
+class Compiles(ABC):
+    """The strategy applies ``torch.compile`` in ``setup_model`` where its wrapping needs
+    it: after activation checkpointing, inside DDP, per block before FSDP."""
+
+    @abstractmethod
+    def configure_compile(self, options: CompileOptions) -> None:
+        """Compile with ``options`` in the next ``setup_model``; called once before it."""
+
+    def cuda_graphs_blocker(self) -> str | None:
+        """Why this strategy's compiled steps cannot be CUDA graphs, or None."""
+        return None
+
+
 CAPABILITIES: tuple[type, ...] = (ShardedState, ServerRole, LockstepEvaluation, PrecisionPolicy,
-                                  ReportsMetrics)
+                                  ReportsMetrics, Compiles)
 """Every optional capability, for tools that list what a strategy offers."""
 
 
@@ -140,6 +156,14 @@ def evaluation_batches(strategy: Strategy, batches: Iterable[Any]) -> Iterator[t
 def strategy_metrics(strategy: Strategy) -> dict[str, Any]:
     """The strategy's own epoch metrics (:class:`ReportsMetrics`), else none."""
     return strategy.metrics() if isinstance(strategy, ReportsMetrics) else {}
+
+
+def require_compile(strategy: Strategy) -> Compiles:
+    """``strategy`` as :class:`Compiles`; a one-line ValueError when it cannot compile."""
+    if not isinstance(strategy, Compiles):
+        raise ValueError(f"compile is not supported with strategy {strategy.name!r}; "
+                         "use compile=False or one of single, ddp, fsdp, hybrid")
+    return strategy
 
 
 def contract_members(cls: type) -> set[str]:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from paratrain.compile import CompileOptions, compile_forward
 from paratrain.distributed import _compat
 from paratrain.strategies.base import Strategy
+from paratrain.strategies.capabilities import Compiles
 
 # comm_dtype -> name of the hook in torch.distributed.algorithms.ddp_comm_hooks.default_hooks
 COMM_DTYPES = {"32": None, "bf16": "bf16_compress_hook", "fp16": "fp16_compress_hook"}
@@ -59,7 +61,7 @@ def _buffer_sync_kwargs(sync: bool) -> dict[str, bool]:
     return {"broadcast_buffers": sync}
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(Strategy, Compiles):
     """Replicate the model on every process; all-reduce gradients during backward."""
 
     name = "ddp"
@@ -68,9 +70,23 @@ class DDPStrategy(Strategy):
     def __init__(self, topology, options=None, *, timeout_s: float = 300.0) -> None:
         super().__init__(topology, options, timeout_s=timeout_s)
         self._wrapped: list[DistributedDataParallel] = []
+        self._compile: CompileOptions | None = None
+
+    def configure_compile(self, options: CompileOptions) -> None:
+        if self.options.bucket_cap_mb < 1:
+            # Dynamo's DDP optimiser keeps DDP's first bucket at 1 MiB and refuses smaller
+            # buckets after it.
+            raise ValueError(f"compile with strategy 'ddp' needs bucket_cap_mb >= 1, got "
+                             f"{self.options.bucket_cap_mb:g}; raise it or use compile=False")
+        self._compile = options
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.topology.device)
+        if self._compile is not None:
+            # The wrapped module's forward runs inside DDP's forward, where Dynamo's DDP
+            # optimiser splits the graph at bucket boundaries so that all-reduce still
+            # overlaps backward.
+            compile_forward(model, self._compile)
         if not self.topology.is_distributed:
             return model
         device_ids = [self.topology.device.index] if self.topology.device.type == "cuda" else None

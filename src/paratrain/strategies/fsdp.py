@@ -28,10 +28,16 @@ from paratrain.checkpoint.sharded import (
     parameter_names,
     rebuild_optimizer,
 )
+from paratrain.compile import CompileOptions, compile_forward
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
-from paratrain.strategies.capabilities import LockstepEvaluation, PrecisionPolicy, ShardedState
+from paratrain.strategies.capabilities import (
+    Compiles,
+    LockstepEvaluation,
+    PrecisionPolicy,
+    ShardedState,
+)
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -88,7 +94,7 @@ def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module], bool]:
     return policy
 
 
-class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
+class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy, Compiles):
     """Shard parameters, gradients and optimizer state over the data-parallel ranks.
 
     Args:
@@ -110,6 +116,7 @@ class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
         self.mesh = ParallelMesh(degrees, topology)
         self.active = topology.is_distributed
         self._mp_policy = None
+        self._compile: CompileOptions | None = None
         self._names: dict[int, str] = {}
         self._params: dict[str, nn.Parameter] = {}
 
@@ -131,6 +138,12 @@ class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
             self._mp_policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype,
                                                    reduce_dtype=torch.float32)
 
+    def configure_compile(self, options: CompileOptions) -> None:
+        self._compile = options
+
+    def cuda_graphs_blocker(self) -> str | None:
+        return "FSDP's all-gathers and frees run between the graphs" if self.active else None
+
     def _fsdp_mesh(self):
         if self.mesh.degrees.replicate_degree > 1:
             return self.mesh.submesh("replicate", "shard")
@@ -149,8 +162,14 @@ class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
             # Bottom-up: a unit must be wrapped before the unit that contains it.
             for _, module in reversed(list(model.named_modules())[1:]):
                 if wrap(module):
+                    if self._compile is not None:
+                        # Per block, before sharding (as torchtitan does): the block's
+                        # graph stays whole, FSDP's hooks run around it.
+                        compile_forward(module, self._compile)
                     fully_shard(module, **kwargs)
             fully_shard(model, **kwargs)
+        elif self._compile is not None:
+            compile_forward(model, self._compile)
         self._names.update(names)
         self._params.update(dict(model.named_parameters()))
         return model

@@ -26,6 +26,7 @@ from paratrain.distributed.mesh import ParallelDegrees
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import (
+    Compiles,
     LockstepEvaluation,
     PrecisionPolicy,
     ShardedState,
@@ -93,13 +94,15 @@ DELEGATED = (
     "full_state_dict",
     # PrecisionPolicy
     "configure_precision",
+    # Compiles
+    "configure_compile", "cuda_graphs_blocker",
 )
 
 
 # Both inner strategies shard state and have a precision policy; FSDP alone evaluates
 # in lockstep, so hybrid's evaluation_batches asks its inner strategy.
 @delegate("inner", DELEGATED)
-class HybridStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation):
+class HybridStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation, Compiles):
     """Data parallel x pipeline, or sharded within a node x replicated across nodes."""
 
     name = "hybrid"

@@ -35,11 +35,12 @@ from paratrain.checkpoint.sharded import (
     parameter_names,
     rebuild_optimizer,
 )
+from paratrain.compile import CompileOptions, compile_forward
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.partition import balanced_split
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
-from paratrain.strategies.capabilities import PrecisionPolicy, ShardedState
+from paratrain.strategies.capabilities import Compiles, PrecisionPolicy, ShardedState
 from paratrain.strategies.pipeline.module import PipelineModule
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -96,7 +97,7 @@ def stage_layers(model: nn.Sequential, num_stages: int, stage_index: int,
     return nn.Sequential(OrderedDict(children[lo:hi]))
 
 
-class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy):
+class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
     """Split the model into stages over the ranks; micro-batches flow through them.
 
     Args:
@@ -121,6 +122,7 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy):
         self._names: dict[int, str] = {}
         self._params: dict[str, nn.Parameter] = {}
         self._sync_disabled = False
+        self._compile: CompileOptions | None = None
 
     def notice(self) -> str | None:
         if self.active:
@@ -164,9 +166,18 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy):
                                    group=self.mesh.group("pipeline"), device=self.topology.device,
                                    schedule=self.options.schedule,
                                    num_microbatches=self.options.num_microbatches)
+        elif self._compile is not None:
+            compile_forward(model, self._compile)
         self._names.update(names)
         self._params.update(dict(self.checkpoint_module(model).named_parameters()))
         return model
+
+    def configure_compile(self, options: CompileOptions) -> None:
+        if self.active:
+            # Not verified with the pipelining schedules: refused rather than risk a hang.
+            raise ValueError("compile with strategy 'pipeline' on several stages is not "
+                             "supported yet; use compile=False")
+        self._compile = options
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if not self.active:
