@@ -80,6 +80,9 @@ def test_zero_stages_and_offload_train_as_ddp_with_sharded_state():
         # ZeRO-2 reduce-scatters instead of all-reducing: the same sum, rounded differently.
         for key, value in ddp["params"].items():
             torch.testing.assert_close(rank["zero2"]["params"][key], value, atol=1e-6, rtol=0)
+        # ... and is fsdp with reshard_after_forward=False: bitwise fsdp's.
+        for key, value in rank["fsdp"]["params"].items():
+            assert torch.equal(rank["zero2"]["params"][key], value), key
         # Offload moves where the shards live, not what is computed.
         for key, value in rank["fsdp"]["params"].items():
             assert torch.equal(rank["fsdp-offload"]["params"][key], value), key
