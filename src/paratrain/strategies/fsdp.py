@@ -152,7 +152,10 @@ class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
         return CPUOffloadPolicy(pin_memory=self.topology.device.type == "cuda")
 
     def setup_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.topology.device)
+        # With offload, fully_shard moves each unit to the device only to shard it and
+        # puts the shard back on the CPU: the whole model never sits on the device.
+        if not (self.active and self.options.offload):
+            model = model.to(self.topology.device)
         names = parameter_names(model)
         if self.active:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
