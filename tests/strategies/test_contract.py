@@ -57,6 +57,8 @@ PROMISES = {
     "dp": Promise(1, "on CPU there is one device: it runs as single"),
     "mp": Promise(1, "without two GPUs it runs as single"),
     "ddp": Promise(2, "gradients averaged over replicas = the global batch's gradient"),
+    "zero1": Promise(2, "ddp's averaged gradient; each rank updates its share and broadcasts it"),
+    "zero2": Promise(2, "fsdp's reduce-scattered shards, parameters whole from forward to backward"),
     "fsdp": Promise(2, "reduce-scattered gradient shards = the averaged gradient, sharded"),
     "hybrid": Promise(2, "HSDP over one node of 2 processes: FSDP with a 2-D mesh"),
     "pipeline": Promise(2, "micro-batch gradients summed over the schedule = the batch's",
@@ -164,7 +166,7 @@ def test_contract(name, reference_params, tmp_path):
         # (c) no gradient reduction inside no_sync; one at the boundary with replicas.
         inside, boundary = result["counts"][0::ACCUMULATE], result["counts"][ACCUMULATE - 1::ACCUMULATE]
         assert inside == [0] * STEPS, f"gradients reduced inside no_sync: {result['counts']}"
-        if name in ("ddp", "fsdp", "hybrid"):
+        if name in ("ddp", "zero1", "zero2", "fsdp", "hybrid"):
             assert all(count > 0 for count in boundary), result["counts"]
         # (b) the round trip.
         assert result["restored"].keys() == result["saved"].keys()

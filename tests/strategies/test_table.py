@@ -54,15 +54,14 @@ def test_each_cost_model_imports_and_predicts_a_tiny_profile(entry):
 def test_the_planner_names_exactly_the_runtimes_strategies():
     runtime = set(available_strategies())
     assert set(STRATEGIES) == runtime and set(PREFERENCE) == runtime
-    assert not {"zero1", "zero2"} & set(STRATEGIES)  # until the runtime has them
     report = plan(TINY, HW, batch_size_per_device=4)
     assert [p.strategy for p in report.predictions] == list(STRATEGIES)
     assert report.recommendation in runtime
     assert strategy_entry(report.recommendation).modelled
     default = _build_parser().parse_args([]).strategies.split(",")
     assert sorted(default) == sorted(runtime)
-    with pytest.raises(ValueError, match="unknown 'zero1'"):
-        plan(TINY, HW, batch_size_per_device=4, strategies=["zero1"])
+    with pytest.raises(ValueError, match="unknown 'zero3'"):
+        plan(TINY, HW, batch_size_per_device=4, strategies=["zero3"])
 
 
 def test_bench_rows_name_only_registered_strategies():
@@ -70,8 +69,8 @@ def test_bench_rows_name_only_registered_strategies():
     assert REFERENCE in runtime and strategy_entry(REFERENCE).single_process
     assert {label.partition("+")[0] for label in GPU_DEFAULT_ROWS} <= runtime
     assert {r.strategy for r in resolve_rows(None, accelerator="cpu")} == runtime
-    with pytest.raises(ValueError, match="unknown zero1"):
-        resolve_rows(["zero1"])
+    with pytest.raises(ValueError, match="unknown zero3"):
+        resolve_rows(["zero3"])
 
 
 def test_bench_launches_servers_where_the_table_says():

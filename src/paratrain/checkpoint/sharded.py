@@ -128,15 +128,30 @@ def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
 
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"sharded checkpoint directory {directory} is missing")
-    state = _state(modules, optimizers, flat=flat)
+    readable = [_whole_optimizer(modules[0], optimizer) for optimizer in optimizers]
+    state = _state(modules, readable, flat=flat)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(directory))
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     for index, module in enumerate(modules):
         set_model_state_dict(module, state[f"model_{index}"])
-    for index, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(modules[0], optimizer, state[f"optimizer_{index}"],
+    for index, (optimizer, whole) in enumerate(zip(optimizers, readable)):
+        set_optimizer_state_dict(modules[0], whole, state[f"optimizer_{index}"],
                                  options=options)
+        if whole is not optimizer:
+            optimizer.load_state_dict(whole.state_dict())  # keeps this rank's shard
+
+
+def _whole_optimizer(module: nn.Module,
+                     optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer``, or for a ``ZeroRedundancyOptimizer`` (``zero1``), whose state DCP
+    cannot address, a plain optimizer of its class and groups to read the whole state
+    into (transiently: the sharded optimizer then keeps its part)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    return type(optimizer.optim)([dict(group) for group in optimizer.param_groups])
 
 
 def saved_shapes(directory: str | os.PathLike, index: int) -> dict[str, tuple[int, ...]]:

@@ -29,8 +29,8 @@ from paratrain.plan.comm import (
 )
 from paratrain.plan.types import Hardware, ModelProfile
 
-__all__ = ["DDP", "DP", "FSDP", "HYBRID", "MP", "PIPELINE", "PS", "SINGLE", "Cost", "CostModel",
-           "PlanOptions"]
+__all__ = ["DDP", "DP", "FSDP", "HYBRID", "MP", "PIPELINE", "PS", "SINGLE", "ZERO1", "ZERO2",
+           "Cost", "CostModel", "PlanOptions"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +95,32 @@ def _ddp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
                                 tail=allreduce_time(buckets[-1], hw))
     return Cost(devices=w, batch=w * b, compute=b * pr.step_compute_time_per_sample, comm=comm,
                 exposed=exposed, traffic=allreduce_bytes(pr.grad_size, hw))
+
+
+def _zero(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions, *, stage: int) -> Cost:
+    # Gradients leave in buckets while backward runs, as under DDP (all-reduced for
+    # ZeRO-1, reduce-scattered for ZeRO-2); only the last bucket cannot hide. Each rank
+    # then updates its 1/N and the new parameters are all-gathered, with nothing to
+    # hide behind.
+    w = hw.world_size
+    op = allreduce_time if stage == 1 else reduce_scatter_time
+    buckets = ddp_buckets(pr.grad_size, pr.num_layers, o.bucket_bytes)
+    comm = sum(op(x, hw) for x in buckets)
+    exposed = exposed_comm_time(comm, b * pr.backward_time_per_sample, overlap=o.overlap,
+                                tail=op(buckets[-1], hw))
+    traffic = allreduce_bytes(pr.grad_size, hw) if stage == 1 else allgather_bytes(pr.grad_size, hw)
+    ag = allgather_time(pr.param_size, hw)
+    return Cost(devices=w, batch=w * b, compute=b * pr.step_compute_time_per_sample,
+                comm=comm + ag, exposed=exposed + ag,
+                traffic=traffic + allgather_bytes(pr.param_size, hw), optimizer_divisor=w)
+
+
+def _zero1(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    return _zero(pr, hw, b, o, stage=1)
+
+
+def _zero2(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    return _zero(pr, hw, b, o, stage=2)
 
 
 def _fsdp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
@@ -232,6 +258,8 @@ def _pipeline(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
 
 SINGLE = CostModel(sharding=("1", "1", "1"), cost=_single)
 DDP = CostModel(sharding=("1", "1", "1"), cost=_ddp)
+ZERO1 = CostModel(sharding=("1", "1", "N"), cost=_zero1)
+ZERO2 = CostModel(sharding=("1", "N", "N"), cost=_zero2)  # whole parameters from forward to backward
 FSDP = CostModel(sharding=("N", "N", "N"), cost=_fsdp)
 PIPELINE = CostModel(sharding=("N", "N", "N"), cost=_pipeline)  # each stage holds 1/p of the layers
 # Only hybrid's default layout: pipeline_degree and shard_degree are strategy options the

@@ -56,7 +56,12 @@ class FSDPOptions:
     reshard_after_forward: bool = True
     """Free the gathered parameters after each block's forward and gather them again
     in backward (less memory, one more all-gather per block); False keeps them
-    until backward (ZeRO-2-like)."""
+    until backward (what the ``zero2`` strategy fixes)."""
+
+    offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory
+    (FSDP2's ``CPUOffloadPolicy``): parameters are copied to the device for each
+    unit's forward and backward, and the optimizer steps on the CPU."""
 
     def __post_init__(self) -> None:
         policy = self.wrap_policy
@@ -71,6 +76,8 @@ class FSDPOptions:
             raise ValueError(
                 f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}"
             )
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be True or False, got {self.offload!r}")
 
 
 def _is_class_spec(value: Any) -> bool:
@@ -123,7 +130,7 @@ class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy, 
     def notice(self) -> str | None:
         if self.active:
             return None
-        return "strategy 'fsdp' in one process: nothing to shard, running as 'single'"
+        return f"strategy {self.name!r} in one process: nothing to shard, running as 'single'"
 
     def configure_precision(self, precision: Any) -> None:
         if precision.mode == "16-mixed":
@@ -149,15 +156,27 @@ class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy, 
             return self.mesh.submesh("replicate", "shard")
         return self.mesh.submesh("shard")
 
+    def _offload_policy(self):
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if not self.options.offload:
+            return OffloadPolicy()
+        # Pinned host memory makes the copies to the GPU asynchronous; it needs CUDA.
+        return CPUOffloadPolicy(pin_memory=self.topology.device.type == "cuda")
+
     def setup_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.topology.device)
+        # With offload, fully_shard moves each unit to the device only to shard it and
+        # puts the shard back on the CPU: the whole model never sits on the device.
+        if not (self.active and self.options.offload):
+            model = model.to(self.topology.device)
         names = parameter_names(model)
         if self.active:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             kwargs = dict(mesh=self._fsdp_mesh(),
                           reshard_after_forward=self.options.reshard_after_forward,
-                          mp_policy=self._mp_policy or MixedPrecisionPolicy())
+                          mp_policy=self._mp_policy or MixedPrecisionPolicy(),
+                          offload_policy=self._offload_policy())
             wrap = wrap_predicate(self.options.wrap_policy, model)
             # Bottom-up: a unit must be wrapped before the unit that contains it.
             for _, module in reversed(list(model.named_modules())[1:]):
