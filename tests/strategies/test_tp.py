@@ -152,6 +152,20 @@ def test_fsdp_x_tp_on_four_ranks_matches_single(reference):
         assert_matches(result, reference)
 
 
+def test_one_process_runs_as_single_and_degrees_are_checked_once():
+    from paratrain.distributed.topology import Topology
+    from paratrain.strategies import create_strategy
+
+    one = create_strategy("fsdp_tp", Topology(), {"tensor_degree": 2})
+    assert "running as 'single'" in one.notice() and one.data_parallel_size == 1
+    four = Topology(rank=3, world_size=4, local_world_size=4, local_rank=3)
+    layout = create_strategy("fsdp_tp", four, {"tensor_degree": 2})
+    assert (layout.data_parallel_size, layout.data_parallel_rank) == (2, 1)
+    assert create_strategy("tp", four).data_parallel_size == 1
+    with pytest.raises(ValueError, match="tensor_degree=3 does not divide the world size 4"):
+        create_strategy("fsdp_tp", four, {"tensor_degree": 3})
+
+
 def test_a_head_count_the_degree_does_not_divide_is_named():
     from paratrain.strategies.tensor.plan import check_divisible
 

@@ -249,6 +249,8 @@ class FSDPTPStrategy(TPStrategy):
     Options = FSDPTPOptions
 
     def _degrees(self, topology: Topology) -> ParallelDegrees:
+        if not topology.is_distributed:
+            return ParallelDegrees()  # one process runs as 'single' (see notice)
         return ParallelDegrees.infer(world_size=topology.world_size, pipeline_degree=1,
                                      replicate_degree=1, shard_degree=None,
                                      tensor_degree=self.options.tensor_degree)
