@@ -184,7 +184,7 @@ class TPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
                 from torch.distributed.fsdp import MixedPrecisionPolicy
 
                 apply_fsdp(model, self.mesh.submesh("shard"),
-                           reshard_after_forward=self.options.reshard_after_forward,
+                           reshard_after_forward=getattr(self.options, "reshard_after_forward", True),
                            mp_policy=self._mp_policy or MixedPrecisionPolicy())
         self._names.update(names)
         self._params.update(dict(model.named_parameters()))
