@@ -137,9 +137,9 @@ def test_inline_calls_use_real_signatures(a_run):
 
 
 def test_the_checker_finds_drift(a_run):
-    tree = ast.parse("run = paratrain.Run(strategy='tp', nope=1)\nrun.save(dir=None)\nrun.fit()")
+    tree = ast.parse("run = paratrain.Run(strategy='zero3', nope=1)\nrun.save(dir=None)\nrun.fit()")
     assert call_problems(tree) + attribute_problems(tree, a_run) == [
-        "Run(... nope=...): no such RunConfig field", "Run(strategy='tp'): no such strategy",
+        "Run(... nope=...): no such RunConfig field", "Run(strategy='zero3'): no such strategy",
         "run.save(dir=...): no such parameter", "run.fit: no such attribute"]
 
 

@@ -1,15 +1,19 @@
 """Parallel degrees and the device mesh they describe, validated once.
 
-A job of ``world_size`` processes is laid out as a 3-D grid
-``pipeline x replicate x shard`` (outermost first):
+A job of ``world_size`` processes is laid out as a 4-D grid
+``pipeline x replicate x shard x tensor`` (outermost first):
 
 * ``pipeline_degree``: stages of a pipeline (each holds some layers);
 * ``replicate_degree``: full replicas whose gradients are all-reduced (DDP-like);
 * ``shard_degree``: ranks over which parameters, gradients and optimizer state
-  are sharded (FSDP). With ``replicate_degree > 1`` too this is HSDP.
+  are sharded (FSDP). With ``replicate_degree > 1`` too this is HSDP;
+* ``tensor_degree``: ranks that split each layer's weights (tensor parallel);
+  they read the same data.
 
-The shard axis is innermost so that consecutive ranks (the processes of one
-node) shard together and only the replicate / pipeline axes cross nodes.
+The tensor axis is innermost, then shard, so that consecutive ranks (the
+processes of one node) carry the chattiest traffic (a tensor-parallel
+all-reduce per layer, then the FSDP all-gathers) and only the replicate /
+pipeline axes cross nodes.
 :class:`ParallelDegrees` is pure logic (testable without processes);
 :class:`ParallelMesh` adds this rank's coordinates and the ``DeviceMesh``.
 
@@ -17,6 +21,8 @@ Example:
     >>> degrees = ParallelDegrees.infer(world_size=4, pipeline_degree=2)
     >>> (degrees.pipeline_degree, degrees.replicate_degree, degrees.shard_degree)
     (2, 2, 1)
+    >>> ParallelDegrees.infer(world_size=4, shard_degree=2, tensor_degree=2).shape
+    (1, 1, 2, 2)
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.distributed as dist
 
 from paratrain.distributed.topology import Topology
 
-AXES = ("pipeline", "replicate", "shard")
+AXES = ("pipeline", "replicate", "shard", "tensor")
 """Mesh dimension names, outermost first."""
 
 
@@ -46,6 +52,9 @@ class ParallelDegrees:
     shard_degree: int = 1
     """Data-parallel ranks that shard parameters, gradients and optimizer state."""
 
+    tensor_degree: int = 1
+    """Tensor-parallel ranks that split each layer's weights and read the same data."""
+
     def __post_init__(self) -> None:
         for axis in AXES:
             value = getattr(self, f"{axis}_degree")
@@ -54,7 +63,7 @@ class ParallelDegrees:
 
     @property
     def world_size(self) -> int:
-        return self.pipeline_degree * self.replicate_degree * self.shard_degree
+        return math.prod(self.shape)
 
     @property
     def data_parallel_degree(self) -> int:
@@ -62,8 +71,9 @@ class ParallelDegrees:
         return self.replicate_degree * self.shard_degree
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.pipeline_degree, self.replicate_degree, self.shard_degree)
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pipeline_degree, self.replicate_degree, self.shard_degree,
+                self.tensor_degree)
 
     def validate(self, world_size: int) -> None:
         """ValueError naming the bad degree unless the product equals ``world_size``."""
@@ -76,7 +86,7 @@ class ParallelDegrees:
                 )
         if self.world_size != world_size:
             # Each degree divides the world size but together they do not cover it:
-            # no single degree is wrong, so the message names all three.
+            # no single degree is wrong, so the message names them all.
             product = " x ".join(f"{a}_degree={getattr(self, f'{a}_degree')}" for a in AXES)
             raise ValueError(
                 f"{product} = {self.world_size} but the world size is {world_size}; "
@@ -86,12 +96,13 @@ class ParallelDegrees:
     @classmethod
     def infer(cls, *, world_size: int, pipeline_degree: int | None = None,
               replicate_degree: int | None = None,
-              shard_degree: int | None = None) -> ParallelDegrees:
+              shard_degree: int | None = None, tensor_degree: int = 1) -> ParallelDegrees:
         """Infer one degree left as None (replicate first, then shard, then pipeline)
-        as world size / the others, and validate. Other degrees left as None are 1.
+        as world size / the others, and validate. Other degrees left as None are 1;
+        ``tensor_degree`` is never inferred.
         """
         given = {"pipeline": pipeline_degree, "replicate": replicate_degree,
-                 "shard": shard_degree}
+                 "shard": shard_degree, "tensor": tensor_degree}
         missing = [axis for axis, value in given.items() if value is None]
         if len(missing) == 3:
             given["replicate"] = None
@@ -122,12 +133,13 @@ class ParallelDegrees:
 
 
 def coordinates(rank: int, degrees: ParallelDegrees) -> dict[str, int]:
-    """This rank's index along each axis (row-major, shard innermost)."""
+    """This rank's index along each axis (row-major, tensor innermost)."""
     if not 0 <= rank < degrees.world_size:
         raise ValueError(f"rank must be in [0, {degrees.world_size}), got {rank}")
-    pipeline, rest = divmod(rank, degrees.replicate_degree * degrees.shard_degree)
-    replicate, shard = divmod(rest, degrees.shard_degree)
-    return {"pipeline": pipeline, "replicate": replicate, "shard": shard}
+    coords = {}
+    for axis, size in reversed(list(zip(AXES, degrees.shape))):
+        rank, coords[axis] = divmod(rank, size)
+    return {axis: coords[axis] for axis in AXES}
 
 
 class ParallelMesh:
@@ -155,7 +167,7 @@ class ParallelMesh:
 
     @cached_property
     def device_mesh(self):  # -> torch.distributed.device_mesh.DeviceMesh
-        """The 3-D ``DeviceMesh`` (a collective call: every rank builds it at the same point)."""
+        """The 4-D ``DeviceMesh`` (a collective call: every rank builds it at the same point)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
@@ -174,6 +186,7 @@ class ParallelMesh:
     def global_rank(self, **coords: int) -> int:
         """Global rank at this rank's coordinates with ``coords`` replaced."""
         merged = {**self.coords, **coords}
-        d = self.degrees
-        return ((merged["pipeline"] * d.replicate_degree + merged["replicate"]) * d.shard_degree
-                + merged["shard"])
+        rank = 0
+        for axis, size in zip(AXES, self.degrees.shape):
+            rank = rank * size + merged[axis]
+        return rank

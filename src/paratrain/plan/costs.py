@@ -29,8 +29,8 @@ from paratrain.plan.comm import (
 )
 from paratrain.plan.types import Hardware, ModelProfile
 
-__all__ = ["DDP", "DP", "FSDP", "HYBRID", "MP", "PIPELINE", "PS", "SINGLE", "ZERO1", "ZERO2",
-           "Cost", "CostModel", "PlanOptions"]
+__all__ = ["DDP", "DP", "FSDP", "FSDP_TP", "HYBRID", "MP", "PIPELINE", "PS", "SINGLE", "TP", "ZERO1",
+           "ZERO2", "Cost", "CostModel", "PlanOptions"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +160,52 @@ def _hybrid(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
                 note=f"shard {n} x replicate {k}", optimizer_divisor=n, shard_devices=n)
 
 
+def _tp_comm(pr: ModelProfile, hw: Hardware, b: int, t: int) -> tuple[float, float]:
+    # Per block, one all-reduce of the block's hidden activations after each rowwise layer
+    # (attention out, MLP down) forward and one per colwise input backward: 4 in all, on
+    # the critical path (nothing to hide behind). The hidden size is approximated by the
+    # profile's activation bytes per layer. Consecutive ranks: inside a node while t fits.
+    size = b * pr.activation_bytes_per_sample / pr.num_layers
+    bw, lat = ((hw.intra_node_bandwidth, hw.intra_node_latency) if t <= hw.num_devices_per_node
+               else _slowest_link(hw))
+    comm = 4 * pr.num_layers * ring_allreduce_time(size, t, bw, lat)
+    return comm, 0.0 if t == 1 else 4 * pr.num_layers * 2 * (t - 1) / t * size
+
+
+def _tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # Every device reads the same b samples and does 1/t of each split layer's work;
+    # embeddings, norms and the head are counted as split too (an underestimate).
+    t = hw.world_size
+    comm, traffic = _tp_comm(pr, hw, b, t)
+    return Cost(devices=t, batch=b, compute=b * pr.step_compute_time_per_sample / t, comm=comm,
+                exposed=comm, traffic=traffic, optimizer_divisor=t,
+                note="tp across nodes" if t > hw.num_devices_per_node else "")
+
+
+def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # The default layout: tensor degree 2 (consecutive ranks), FSDP over the s = w / 2
+    # groups, each FSDP unit holding 1/2 of a layer; overlap as FSDP.
+    w, t, layers = hw.world_size, 2, pr.num_layers
+    if w % t:
+        return Cost(devices=w, batch=b, compute=b * pr.step_compute_time_per_sample,
+                    applicable=False, note=f"needs an even number of devices, has {w}")
+    s = w // t
+    tp_comm, tp_traffic = _tp_comm(pr, hw, b, t)
+    bw, lat = (hw.intra_node_bandwidth, hw.intra_node_latency) if w <= hw.num_devices_per_node \
+        else _slowest_link(hw)
+    ag = ring_allgather_time(pr.param_size / layers / t, s, bw, lat)
+    rs = ring_reduce_scatter_time(pr.grad_size / layers / t, s, bw, lat)
+    compute = b * pr.step_compute_time_per_sample / t
+    exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample / t,
+                              overlap=o.overlap, tail=ag)
+    exp_b = exposed_comm_time(layers * (ag + rs), b * pr.backward_time_per_sample / t,
+                              overlap=o.overlap, tail=rs)
+    fsdp_traffic = 0.0 if s == 1 else (s - 1) / s * (2 * pr.param_size + pr.grad_size) / t
+    return Cost(devices=w, batch=s * b, compute=compute, comm=tp_comm + layers * (2 * ag + rs),
+                exposed=tp_comm + exp_f + exp_b, traffic=tp_traffic + fsdp_traffic,
+                note=f"shard {s} x tensor {t}", optimizer_divisor=w)
+
+
 def _ps(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     w, k = hw.world_size, o.num_servers
     bw, lat = _slowest_link(hw)  # servers sit behind the inter-node link once there are nodes
@@ -265,6 +311,10 @@ PIPELINE = CostModel(sharding=("N", "N", "N"), cost=_pipeline)  # each stage hol
 # Only hybrid's default layout: pipeline_degree and shard_degree are strategy options the
 # planner does not take.
 HYBRID = CostModel(sharding=("N", "N", "N"), cost=_hybrid)
+# Only the split layers are divided by the tensor degree; counting every parameter as
+# split underestimates memory by the replicated embeddings, norms and head.
+TP = CostModel(sharding=("N", "N", "N"), cost=_tp)
+FSDP_TP = CostModel(sharding=("N", "N", "N"), cost=_fsdp_tp)
 PS = CostModel(sharding=("1", "1", "0"), cost=_ps)  # the servers hold the optimizer state
 DP = CostModel(sharding=("1", "1", "1"), cost=_dp)  # device 0 holds the master copy and the optimizer
 MP = CostModel(sharding=("N", "N", "N"), cost=_mp)  # each device holds its layers

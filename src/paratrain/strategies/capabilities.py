@@ -7,7 +7,7 @@ the concrete strategy class nor by probing for attributes:
 
 * :class:`ShardedState`: no rank holds the whole model, checkpoints are written
   by every rank through ``torch.distributed.checkpoint`` (``fsdp``,
-  ``pipeline``, ``hybrid``).
+  ``pipeline``, ``hybrid``, ``tp``, ``fsdp_tp``).
 * :class:`ServerRole`: some ranks serve instead of training (``ps``).
 * :class:`LockstepEvaluation`: forward is collective, so evaluation pads with
   uncounted batches (``fsdp``).

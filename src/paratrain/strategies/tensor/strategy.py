@@ -1,0 +1,272 @@
+"""``tp`` and ``fsdp_tp``: tensor parallelism through DTensor, alone or under FSDP2.
+
+``tp`` splits the planned linear layers (see :mod:`paratrain.strategies.tensor.plan`)
+over every rank; all ranks read the same batch (data-parallel size 1). ``fsdp_tp`` lays
+the job out as ``shard x tensor`` on one :class:`~paratrain.distributed.mesh.ParallelMesh`:
+tensor parallel within groups of ``tensor_degree`` consecutive ranks, FSDP over the
+``shard`` axis, which reads different data.
+
+Parallelisms are applied in a fixed order, each a small function over the mesh slice it
+needs: tensor parallel (``parallelize_module``), then FSDP (``fully_shard``, which then
+shards the TP DTensors once more along the data axis). Activation checkpointing, when
+asked for, is applied by ``run.prepare`` before either; it only wraps ``forward``, so
+module names (and the plan) are unchanged.
+
+Example::
+
+    run = paratrain.Run(strategy="fsdp_tp", strategy_options={
+        "tensor_degree": 2, "plan": {"blocks.*.attn.[qkv]": "colwise",
+                                     "blocks.*.attn.proj": "rowwise"}})
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.checkpoint.sharded import (
+    load_full_model_state,
+    load_full_optimizer_state,
+    lockstep_batches,
+    parameter_names,
+    rebuild_optimizer,
+)
+from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
+from paratrain.distributed.topology import Topology
+from paratrain.strategies.base import Strategy
+from paratrain.strategies.capabilities import LockstepEvaluation, PrecisionPolicy, ShardedState
+from paratrain.strategies.fsdp import wrap_predicate
+from paratrain.strategies.tensor.plan import (
+    check_divisible,
+    resolve_plan,
+    shard_heads,
+    validate_plan,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPOptions:
+    """Options of the ``tp`` strategy."""
+
+    plan: dict[str, str] | None = None
+    """``{glob over module names: "colwise" | "rowwise"}``; None: the automatic plan for
+    standard transformer blocks (see :mod:`paratrain.strategies.tensor.plan`)."""
+
+    def __post_init__(self) -> None:
+        validate_plan(self.plan)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPTPOptions(TPOptions):
+    """Options of the ``fsdp_tp`` strategy (``shard x tensor``)."""
+
+    tensor_degree: int = 2
+    """Consecutive ranks that split each planned layer; the world size divided by it is
+    the FSDP shard degree (the ranks that read different data)."""
+
+    reshard_after_forward: bool = True
+    """As ``FSDPOptions.reshard_after_forward``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ParallelDegrees(tensor_degree=self.tensor_degree)  # the field's own message
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError("reshard_after_forward must be True or False, got "
+                             f"{self.reshard_after_forward!r}")
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
+    """Split ``plan``'s linears over ``tp_mesh`` and divide the head counts to match."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    degree = tp_mesh.size()
+    check_divisible(model, plan, degree)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in plan.items()})
+    shard_heads(model, plan, degree)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,
+               mp_policy: Any) -> None:
+    """``fully_shard`` every block (as ``fsdp``'s default wrap policy), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                  mp_policy=mp_policy)
+    wrap = wrap_predicate(None, model)
+    for _, module in reversed(list(model.named_modules())[1:]):
+        if wrap(module):
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients, whole, whatever mesh each DTensor gradient lies on."""
+    squares = []
+    for p in parameters:
+        if p.grad is None:
+            continue
+        norm = torch.linalg.vector_norm(p.grad)
+        # A sharded gradient's norm is reduced over its mesh by DTensor itself.
+        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2)
+    if not squares:
+        return torch.zeros(())
+    return torch.stack(squares).sum().sqrt()
+
+
+class TPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
+    """Tensor parallel over every rank (``tp``); :class:`FSDPTPStrategy` adds FSDP."""
+
+    name = "tp"
+    Options = TPOptions
+
+    def __init__(self, topology: Topology, options: Any = None, *,
+                 timeout_s: float = 300.0) -> None:
+        super().__init__(topology, options, timeout_s=timeout_s)
+        self.mesh = ParallelMesh(self._degrees(topology), topology)
+        self.active = topology.is_distributed
+        self._mp_policy: Any = None
+        self._names: dict[int, str] = {}
+        self._params: dict[str, nn.Parameter] = {}
+
+    def _degrees(self, topology: Topology) -> ParallelDegrees:
+        return ParallelDegrees(tensor_degree=topology.world_size)
+
+    def notice(self) -> str | None:
+        if self.active:
+            return None
+        return f"strategy {self.name!r} in one process: nothing to split, running as 'single'"
+
+    # -- layout -------------------------------------------------------------------
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.mesh.data_parallel_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.degrees.data_parallel_degree
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        if self.data_parallel_size == 1 or not self.active:
+            return None
+        return self.mesh.group("shard")
+
+    def configure_precision(self, precision: Any) -> None:
+        if precision.mode == "16-mixed":
+            # GradScaler's inf check sees local shards, so ranks could disagree on a skip.
+            raise ValueError("precision '16-mixed' is not supported with tensor parallel; "
+                             "use 'bf16-mixed' (no loss scaling needed)")
+        if precision.autocast_dtype is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            self._mp_policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype,
+                                                   reduce_dtype=torch.float32)
+
+    # -- model and optimizer --------------------------------------------------------
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.topology.device)
+        names = parameter_names(model)
+        plan = resolve_plan(model, self.options.plan)  # a bad plan fails in every process
+        if self.active:
+            apply_tp(model, self.mesh.submesh("tensor"), plan)
+            if self.data_parallel_size > 1:
+                from torch.distributed.fsdp import MixedPrecisionPolicy
+
+                apply_fsdp(model, self.mesh.submesh("shard"),
+                           reshard_after_forward=getattr(self.options, "reshard_after_forward", True),
+                           mp_policy=self._mp_policy or MixedPrecisionPolicy())
+        self._names.update(names)
+        self._params.update(dict(model.named_parameters()))
+        return model
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if not self.active:
+            return optimizer
+        # The split layers hold new (DTensor) parameters: step over those.
+        return rebuild_optimizer(optimizer, self._names, self._params)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        if not self.active or self.data_parallel_size == 1:
+            # Tensor-parallel all-reduces carry activations, not gradients: they never wait.
+            return contextlib.nullcontext()
+        return _gradient_sync_disabled(model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        total = global_grad_norm(params)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
+        for p in params:
+            p.grad.mul_(coefficient)
+        return total
+
+    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        if not self.active:
+            yield from ((batch, True) for batch in batches)
+            return
+        yield from lockstep_batches(batches, device=self.topology.device)
+
+    # -- checkpoints ------------------------------------------------------------------
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
+        # A one-file checkpoint holds whole tensors: each rank keeps its slice.
+        load_full_model_state(model, state, partial=False)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict) -> None:
+        load_full_optimizer_state(model, optimizer, state)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model state on every rank (collective), e.g. for export."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        if not self.active:
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    def teardown(self) -> None:
+        self._names.clear()
+        self._params.clear()
+
+
+class FSDPTPStrategy(TPStrategy):
+    """``shard x tensor``: tensor parallel inside groups of ``tensor_degree`` ranks,
+    FSDP across the groups (which read different data)."""
+
+    name = "fsdp_tp"
+    Options = FSDPTPOptions
+
+    def _degrees(self, topology: Topology) -> ParallelDegrees:
+        if not topology.is_distributed:
+            return ParallelDegrees()  # one process runs as 'single' (see notice)
+        return ParallelDegrees.infer(world_size=topology.world_size, pipeline_degree=1,
+                                     replicate_degree=1, shard_degree=None,
+                                     tensor_degree=self.options.tensor_degree)
+
+    def notice(self) -> str | None:
+        if not self.active:
+            return super().notice()
+        d = self.mesh.degrees
+        return f"strategy 'fsdp_tp': shard {d.shard_degree} x tensor {d.tensor_degree}"
+
+
+@contextlib.contextmanager
+def _gradient_sync_disabled(model: nn.Module) -> Iterator[None]:
+    # Gradients stay local until the last micro-step reduce-scatters them over 'shard'.
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,177 @@
+"""Tensor parallel (``tp``) and ``fsdp_tp`` on gloo ranks against a single-process GPT."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.distributed.spawn import spawn
+from paratrain.strategies.capabilities import ShardedState
+from paratrain.strategies.tensor.plan import automatic_plan, resolve_plan
+from paratrain.strategies.tensor.strategy import FSDPTPOptions, TPOptions
+
+VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
+STEPS = 3
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n_head = HEADS
+        # No q/k/v bias: a key bias gets a zero gradient up to rounding, which Adam
+        # would amplify into noise that differs between layouts.
+        self.q, self.k, self.v = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
+        self.proj = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        # Heads from self.n_head, which tensor parallel divides by its degree.
+        q, k, v = (f(x).view(b, t, self.n_head, -1).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = Attention()
+        self.mlp = nn.ModuleDict({"fc": nn.Linear(WIDTH, 4 * WIDTH),
+                                  "proj": nn.Linear(4 * WIDTH, WIDTH)})
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp["proj"](F.gelu(self.mlp["fc"](self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.ln = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def tokens(n=32):
+    g = torch.Generator().manual_seed(11)
+    data = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(data[:, :-1], data[:, 1:])
+
+
+def train(strategy, options, global_batch=8, checkpoint_dir=None, resume=None):
+    run = paratrain.Run(strategy=strategy, strategy_options=options, progress=False,
+                        accelerator="cpu", seed=5, max_grad_norm=0.5)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = run.prepare(model, optimizer)
+    if resume:
+        run.load(resume)
+    strategy = run.strategy
+    loader = run.loader(tokens(), batch_size=global_batch // strategy.data_parallel_size)
+    losses = []
+    for _, (x, y) in zip(range(STEPS), loader):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        run.backward(loss)
+        run.step(optimizer)
+        losses.append(strategy.all_reduce(loss.detach(), "mean").item())
+    saved = run.save(checkpoint_dir) if checkpoint_dir else None
+    state = (strategy.full_state_dict(model) if isinstance(strategy, ShardedState)
+             else model.state_dict())
+    params = {k: v.detach().clone() for k, v in state.items()}
+    run.close()
+    return {"losses": losses, "params": params, "saved": saved}
+
+
+def worker(rank, world_size, strategy, options, checkpoint_dir=None):
+    return train(strategy, options, checkpoint_dir=checkpoint_dir)
+
+
+def assert_matches(result, reference):
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
+                               atol=1e-5, rtol=1e-5)
+    assert result["params"].keys() == reference["params"].keys()
+    for key, value in reference["params"].items():
+        torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train("single", {})
+
+
+def test_automatic_plan_splits_attention_and_mlp_and_bad_plans_are_named():
+    plan = automatic_plan(TinyGPT())
+    assert plan["blocks.0.attn.q"] == plan["blocks.1.mlp.fc"] == "colwise"
+    assert plan["blocks.0.attn.proj"] == plan["blocks.1.mlp.proj"] == "rowwise"
+    assert "head" not in plan and len(plan) == 12
+    assert resolve_plan(TinyGPT(), {"blocks.*.attn.[qkv]": "colwise"}) == {
+        f"blocks.{i}.attn.{n}": "colwise" for i in range(2) for n in "qkv"}
+    with pytest.raises(ValueError, match="plan pattern 'blocks.*.attn.c_attn' matches no module"):
+        resolve_plan(TinyGPT(), {"blocks.*.attn.c_attn": "colwise"})
+    with pytest.raises(ValueError, match=r"plan\['blocks.\*.ln1'\] has style 'sequence'"):
+        TPOptions(plan={"blocks.*.ln1": "sequence"})
+    with pytest.raises(ValueError, match="matches 'blocks.0.ln1', a LayerNorm"):
+        resolve_plan(TinyGPT(), {"blocks.0.ln1": "colwise"})
+    with pytest.raises(ValueError, match="tensor_degree must be an integer >= 1, got 0"):
+        FSDPTPOptions(tensor_degree=0)
+
+
+@pytest.mark.slow
+def test_tp2_matches_single_and_resumes_under_single(reference, tmp_path):
+    results = spawn(worker, 2, "tp", {}, str(tmp_path), timeout=240)
+    for result in results:
+        assert_matches(result, reference)
+    # Saved under tp=2 (a DCP directory), resumed by one process: same weights.
+    resumed = paratrain.Run(strategy="single", progress=False, accelerator="cpu", seed=5)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = resumed.prepare(model, optimizer)
+    resumed.load(results[0]["saved"])
+    for key, value in reference["params"].items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-5, rtol=1e-5)
+    assert resumed.global_step == STEPS and optimizer.state  # Adam moments came back
+    resumed.close()
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_on_four_ranks_matches_single(reference):
+    results = spawn(worker, 4, "fsdp_tp", {"tensor_degree": 2}, timeout=300)
+    for result in results:
+        assert_matches(result, reference)
+
+
+def test_one_process_runs_as_single_and_degrees_are_checked_once():
+    from paratrain.distributed.topology import Topology
+    from paratrain.strategies import create_strategy
+
+    one = create_strategy("fsdp_tp", Topology(), {"tensor_degree": 2})
+    assert "running as 'single'" in one.notice() and one.data_parallel_size == 1
+    four = Topology(rank=3, world_size=4, local_world_size=4, local_rank=3)
+    layout = create_strategy("fsdp_tp", four, {"tensor_degree": 2})
+    assert (layout.data_parallel_size, layout.data_parallel_rank) == (2, 1)
+    assert create_strategy("tp", four).data_parallel_size == 1
+    with pytest.raises(ValueError, match="tensor_degree=3 does not divide the world size 4"):
+        create_strategy("fsdp_tp", four, {"tensor_degree": 3})
+
+
+def test_a_head_count_the_degree_does_not_divide_is_named():
+    from paratrain.strategies.tensor.plan import check_divisible
+
+    model = TinyGPT()
+    with pytest.raises(ValueError, match=r"blocks.0.attn.n_head=4 is not divisible by the "
+                                         "tensor degree 8"):
+        check_divisible(model, {"blocks.0.attn.q": "colwise"}, 8)
+    with pytest.raises(ValueError, match="blocks.0.attn.q.out_features=16 is not divisible"):
+        check_divisible(model, {"blocks.0.attn.q": "colwise"}, 3)
