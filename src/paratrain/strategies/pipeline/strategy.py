@@ -11,7 +11,9 @@ micro-batches.
 The user's loop does not change: see :mod:`.pipeline_deferred` for how
 ``loss = F.cross_entropy(model(x), y); run.backward(loss)`` becomes one
 schedule step. ``nn.Sequential`` models are split automatically (balanced by
-parameter count) or at ``split_points``.
+parameter count) or at ``split_points``; models with an embedding, a ``ModuleList``
+of blocks and a head describe themselves with a ``pipeline_layout()`` (see
+:mod:`.layout`) and are balanced by measured compute.
 
 Every stage reads the same batches: the data-parallel size is the number of
 pipeline replicas (1 here, more under ``hybrid``), not the world size.
@@ -41,6 +43,7 @@ from paratrain.distributed.partition import balanced_split
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import Compiles, PrecisionPolicy, ShardedState
+from paratrain.strategies.pipeline.layout import layout_of, split_model
 from paratrain.strategies.pipeline.module import PipelineModule
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -58,8 +61,9 @@ class PipelineOptions:
     A batch that does not divide uses the largest divisor below this number."""
 
     split_points: tuple[int, ...] | None = None
-    """Indices of the ``nn.Sequential`` children where stages 1.. begin; None
-    balances the stages by parameter count."""
+    """Indices of the ``nn.Sequential`` children (or, for a model with a
+    ``pipeline_layout()``, of its blocks) where stages 1.. begin; None balances the
+    stages by parameter count (by measured compute for a layout with a sample input)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -155,13 +159,8 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
         model = model.to(self.topology.device)
         names = parameter_names(model)
         if self.active:
-            if not isinstance(model, nn.Sequential):
-                raise ValueError(
-                    f"strategy 'pipeline' splits nn.Sequential models; got {type(model).__name__}. "
-                    "Express the model as nn.Sequential of its blocks"
-                )
             stages = self.mesh.degrees.pipeline_degree
-            stage = stage_layers(model, stages, self.mesh.pipeline_rank, self.options.split_points)
+            stage = self._stage(model, stages)
             model = PipelineModule(stage, stage_index=self.mesh.pipeline_rank, num_stages=stages,
                                    group=self.mesh.group("pipeline"), device=self.topology.device,
                                    schedule=self.options.schedule,
@@ -178,6 +177,26 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
             raise ValueError("compile with strategy 'pipeline' on several stages is not "
                              "supported yet; use compile=False")
         self._compile = options
+
+    def _stage(self, model: nn.Module, stages: int) -> nn.Module:
+        if isinstance(model, nn.Sequential):
+            return stage_layers(model, stages, self.mesh.pipeline_rank, self.options.split_points)
+        layout = layout_of(model)
+        if layout is None:
+            raise ValueError(
+                f"strategy 'pipeline' splits nn.Sequential models and models with a "
+                f"pipeline_layout() method; {type(model).__name__} has neither. Express it as "
+                "nn.Sequential of its blocks or describe it with a PipelineLayout"
+            )
+        return split_model(model, layout, num_stages=stages, stage_index=self.mesh.pipeline_rank,
+                           split_points=self.options.split_points, device=self.topology.device,
+                           agree=self._agree)
+
+    def _agree(self, costs: list[float]) -> list[float]:
+        # Timings differ per process; rank 0's decide the split for every pipeline.
+        tensor = torch.tensor(costs, dtype=torch.float64, device=self.topology.device)
+        dist.broadcast(tensor, src=0)
+        return tensor.tolist()
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if not self.active:

@@ -1,0 +1,189 @@
+"""Cutting a model that is not ``nn.Sequential`` into pipeline stages.
+
+Transformers are written as an embedding, a ``ModuleList`` of blocks and a head, with
+glue (positions, residual streams) in ``forward``. Rather than rewriting them as
+``nn.Sequential``, such a model describes itself with :class:`PipelineLayout` (a
+``pipeline_layout()`` method) and keeps one rule in its ``forward``: a part that is
+``None`` is skipped, and the blocks are iterated, not indexed. Each stage is then the
+model itself with the other stages' parts removed, as torchtitan does: stage 0 keeps the
+``before`` parts, the last stage the ``after`` parts, and every stage its contiguous run
+of blocks, registered under their original indices so parameter names (and so
+checkpoints) are those of the full model.
+
+Stages are balanced by measured compute: each part's forward + backward is timed once
+on the layout's sample input (:func:`measure_costs`), and :func:`block_ranges` picks the
+contiguous split that minimises the slowest stage.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.distributed.partition import balanced_split
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineLayout:
+    """The parts of a model that the ``pipeline`` strategy cuts between."""
+
+    before: tuple[str, ...]
+    """Attribute names of the modules before the blocks; only the first stage keeps them."""
+    blocks: str
+    """Attribute name of the ``nn.ModuleList`` of blocks, split contiguously over stages."""
+    after: tuple[str, ...]
+    """Attribute names of the modules after the blocks; only the last stage keeps them."""
+    sample_input: torch.Tensor | None = None
+    """A small batch for :func:`measure_costs`; None balances by parameter count."""
+
+    def __post_init__(self) -> None:
+        overlap = set(self.before) & set(self.after) | {self.blocks} & {*self.before, *self.after}
+        if overlap:
+            raise ValueError(f"PipelineLayout names {sorted(overlap)} in two places; "
+                             "each part belongs to before, blocks or after")
+
+
+def layout_of(model: nn.Module) -> PipelineLayout | None:
+    """The model's :class:`PipelineLayout`, or None if it does not describe one."""
+    describe = getattr(type(model), "pipeline_layout", None)
+    if describe is None:
+        return None
+    layout = describe(model)
+    if not isinstance(layout, PipelineLayout):
+        raise TypeError(f"{type(model).__name__}.pipeline_layout() must return a "
+                        f"PipelineLayout, got {type(layout).__name__}")
+    blocks = getattr(model, layout.blocks, None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__}.{layout.blocks} must be an nn.ModuleList "
+                         "of blocks for the pipeline to split it")
+    for name in (*layout.before, *layout.after):
+        if not isinstance(getattr(model, name, None), nn.Module):
+            raise ValueError(f"{type(model).__name__}.{name} named in its PipelineLayout "
+                             "is not a submodule")
+    return layout
+
+
+def block_ranges(costs: list[float], num_stages: int) -> list[range]:
+    """Contiguous block indices per stage minimising the costliest stage.
+
+    ``costs[i]`` is block ``i``'s cost; the ``before`` parts' cost belongs in
+    ``costs[0]`` and the ``after`` parts' in ``costs[-1]``, as they share those stages.
+    """
+    bounds = [0, *balanced_split(list(costs), num_stages), len(costs)]
+    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def ranges_from_points(num_blocks: int, num_stages: int, points: tuple[int, ...]) -> list[range]:
+    """Stages starting at the given block indices (``PipelineOptions.split_points``)."""
+    if len(points) != num_stages - 1 or points[-1] >= num_blocks:
+        raise ValueError(f"split_points={tuple(points)} must give {num_stages - 1} block "
+                         f"indices below {num_blocks} for {num_stages} stages")
+    bounds = [0, *points, num_blocks]
+    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
+def parameter_costs(model: nn.Module, layout: PipelineLayout) -> list[float]:
+    """Per-block parameter counts, with the before/after parts added to the end blocks."""
+    def count(module: nn.Module) -> float:
+        return float(sum(p.numel() for p in module.parameters()))
+
+    costs = [count(block) for block in getattr(model, layout.blocks)]
+    costs[0] += sum(count(getattr(model, name)) for name in layout.before)
+    costs[-1] += sum(count(getattr(model, name)) for name in layout.after)
+    return costs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_part(module: nn.Module, args: tuple, device: torch.device, repeats: int) -> float:
+    """Fastest of ``repeats`` forward + backward passes of ``module`` on ``args``."""
+    inputs = tuple(a.detach().requires_grad_(a.is_floating_point())
+                   if isinstance(a, torch.Tensor) else a for a in args)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass warms up allocator and kernels
+        _sync(device)
+        start = time.perf_counter()
+        out = module(*inputs)
+        out.float().sum().backward()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_costs(model: nn.Module, layout: PipelineLayout, device: torch.device,
+                  repeats: int = 2) -> list[float]:
+    """Seconds of forward + backward per block on ``layout.sample_input``.
+
+    Each part is run alone on the input it receives inside the full model (captured
+    with pre-forward hooks). Gradients are discarded and the RNG state restored, so
+    measuring leaves training exactly as if it had not happened.
+    """
+    blocks = list(getattr(model, layout.blocks))
+    parts = [getattr(model, name) for name in layout.before] + blocks + \
+        [getattr(model, name) for name in layout.after]
+    captured: dict[int, tuple] = {}
+    hooks = [part.register_forward_pre_hook(
+        lambda module, args, i=i: captured.setdefault(i, args)) for i, part in enumerate(parts)]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            with torch.no_grad():
+                model(layout.sample_input.to(device))
+            seconds = [_time_part(part, captured[i], device, repeats)
+                       for i, part in enumerate(parts)]
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for param in model.parameters():
+            param.grad = None
+    before, after = len(layout.before), len(layout.after)
+    costs = seconds[before:len(seconds) - after]
+    costs[0] += sum(seconds[:before])
+    costs[-1] += sum(seconds[len(seconds) - after:])
+    return costs
+
+
+def cut_stage(model: nn.Module, layout: PipelineLayout, stages: list[range],
+              stage_index: int) -> nn.Module:
+    """``model`` reduced in place to stage ``stage_index``'s parts (full parameter names)."""
+    last = len(stages) - 1
+    for names, keep in ((layout.before, stage_index == 0), (layout.after, stage_index == last)):
+        if not keep:
+            for name in names:
+                setattr(model, name, None)
+    blocks = getattr(model, layout.blocks)
+    kept = nn.ModuleList()
+    for index, block in enumerate(blocks):
+        if index in stages[stage_index]:
+            # Registered under the original index: "blocks.5.attn..." stays its name.
+            kept.add_module(str(index), block)
+    setattr(model, layout.blocks, kept)
+    return model
+
+
+def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int, stage_index: int,
+                split_points: tuple[int, ...] | None, device: torch.device,
+                agree: Any) -> nn.Module:
+    """This stage of ``model``: blocks split at ``split_points`` or by measured compute.
+
+    ``agree(costs) -> costs`` makes every rank use the same costs (timings differ
+    per process); the split must be identical everywhere.
+    """
+    num_blocks = len(getattr(model, layout.blocks))
+    if not 1 <= num_stages <= num_blocks:
+        raise ValueError(f"cannot split {num_blocks} blocks into {num_stages} stages; "
+                         "use fewer processes or a model with more blocks")
+    if split_points is not None:
+        stages = ranges_from_points(num_blocks, num_stages, split_points)
+    else:
+        costs = (measure_costs(model, layout, device) if layout.sample_input is not None
+                 else parameter_costs(model, layout))
+        stages = block_ranges(agree(costs), num_stages)
+    return cut_stage(model, layout, stages, stage_index)

@@ -1,0 +1,137 @@
+"""Pipelines for models that are not nn.Sequential: the GPT cut by its PipelineLayout."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.distributed.spawn import spawn
+from paratrain.models import GPT
+from paratrain.strategies.capabilities import ShardedState
+from paratrain.strategies.pipeline.layout import (
+    PipelineLayout,
+    block_ranges,
+    cut_stage,
+    layout_of,
+    measure_costs,
+    ranges_from_points,
+)
+
+VOCAB, BLOCK = 11, 8
+
+
+def gpt():
+    return GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=4, n_head=2, n_embd=16)
+
+
+def tokens(n=48):
+    generator = torch.Generator().manual_seed(3)
+    data = torch.randint(VOCAB, (n, BLOCK + 1), generator=generator)
+    return TensorDataset(data[:, :-1], data[:, 1:])
+
+
+def test_block_ranges_follow_the_measured_costs():
+    # Equal blocks split in the middle; a costly first block (embedding included)
+    # gets a stage of its own, a costly head pulls the cut towards the end.
+    assert block_ranges([1.0, 1.0, 1.0, 1.0], 2) == [range(0, 2), range(2, 4)]
+    assert block_ranges([3.0, 1.0, 1.0, 1.0], 2) == [range(0, 1), range(1, 4)]
+    assert block_ranges([1.0, 1.0, 1.0, 2.5], 2) == [range(0, 3), range(3, 4)]
+    assert block_ranges([1.0] * 6, 3) == [range(0, 2), range(2, 4), range(4, 6)]
+    assert ranges_from_points(4, 2, (3,)) == [range(0, 3), range(3, 4)]
+    with pytest.raises(ValueError, match="split_points=\\(4,\\) must give 1 block"):
+        ranges_from_points(4, 2, (4,))
+
+
+def test_stages_keep_full_names_and_together_equal_the_model():
+    torch.manual_seed(0)
+    full = gpt()
+    x = torch.randint(VOCAB, (3, BLOCK))
+    expected = full(x)
+    names = {n for n, _ in full.named_parameters()}
+    stages = [range(0, 1), range(1, 4)]
+    torch.manual_seed(0)
+    first = cut_stage(gpt(), layout_of(gpt()), stages, 0)
+    torch.manual_seed(0)
+    last = cut_stage(gpt(), layout_of(gpt()), stages, 1)
+    first_names = {n for n, _ in first.named_parameters()}
+    last_names = {n for n, _ in last.named_parameters()}
+    assert "tok_emb.weight" in first_names and "blocks.0.attn.qkv.weight" in first_names
+    assert "blocks.3.mlp.proj.weight" in last_names and "head.weight" in last_names
+    assert not first_names & last_names and first_names | last_names == names
+    torch.testing.assert_close(last(first(x)), expected, rtol=0, atol=0)
+
+
+def test_measuring_leaves_no_trace():
+    model = gpt()
+    layout = layout_of(model)
+    state = torch.random.get_rng_state()
+    costs = measure_costs(model, layout, torch.device("cpu"), repeats=1)
+    assert len(costs) == 4 and all(c > 0 for c in costs)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_layouts_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="names \\['head'\\] in two places"):
+        PipelineLayout(before=("head",), blocks="blocks", after=("head",))
+
+    class Flat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(nn.Linear(2, 2))
+
+        def pipeline_layout(self):
+            return PipelineLayout(before=(), blocks="blocks", after=())
+
+    with pytest.raises(ValueError, match="Flat.blocks must be an nn.ModuleList"):
+        layout_of(Flat())
+
+
+def train(strategy, num_steps, schedule):
+    run = paratrain.Run(strategy=strategy, progress=False, accelerator="cpu", seed=5,
+                        strategy_options={"schedule": schedule, "num_microbatches": 4}
+                        if strategy == "pipeline" else {})
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = run.prepare(model, optimizer)
+    loader = run.loader(tokens(), batch_size=8)
+    losses = []
+    for _ in run.epochs(1):
+        for step, (x, y) in enumerate(loader):
+            if step == num_steps:
+                break
+            # (B, vocab, T) logits: the pipeline splits the targets (B, T) with the batch.
+            loss = F.cross_entropy(model(x).transpose(1, 2), y)
+            run.backward(loss)
+            run.step(optimizer)
+            losses.append(run.mean(loss))
+    strategy = run.strategy
+    module = (strategy.checkpoint_module(model) if isinstance(strategy, ShardedState)
+              else strategy.unwrap(model))
+    params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    run.close()
+    return params, losses
+
+
+def pipeline_worker(rank, world_size):
+    # Both schedules in one pair of processes: starting processes costs more than training.
+    return [train("pipeline", 4, schedule) for schedule in ("gpipe", "1f1b")]
+
+
+@pytest.mark.slow
+def test_gpt_pipeline_matches_single_process_with_gpipe_and_1f1b():
+    ref_params, ref_losses = train("single", 4, None)
+    per_rank = spawn(pipeline_worker, 2)
+    for schedule_index in range(2):
+        results = [rank_results[schedule_index] for rank_results in per_rank]
+        seen = set()
+        for params, losses in results:
+            for name, value in params.items():
+                torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=0)
+            seen.update(params)
+            assert losses == pytest.approx(ref_losses, abs=1e-5)
+        # The stages are disjoint and together hold the whole model.
+        assert seen == set(ref_params)
+        assert not set(results[0][0]) & set(results[1][0])
