@@ -103,7 +103,7 @@ def save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
 
 def start_save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
                        optimizers: list[torch.optim.Optimizer], *,
-                       group: dist.ProcessGroup | None) -> Future:
+                       group: dist.ProcessGroup) -> Future:
     """Copy this rank's shards to the CPU now and write them on a thread (collective).
 
     ``group`` carries the writing threads' collectives: it must be a gloo group of
@@ -113,9 +113,8 @@ def start_save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
     """
     import torch.distributed.checkpoint as dcp
 
-    with _single_process_quiet():
-        return dcp.async_save(_state(modules, optimizers), checkpoint_id=str(directory),
-                              process_group=group, no_dist=group is None)
+    return dcp.async_save(_state(modules, optimizers), checkpoint_id=str(directory),
+                          process_group=group)
 
 
 @contextlib.contextmanager

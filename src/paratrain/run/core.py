@@ -329,7 +329,7 @@ class Run(TrainStep):
             return
         self._closed = True
         # A background checkpoint write ends first: a sharded one needs the process group.
-        failed = self.state.finish_saves()
+        failed = self.state.finish_saves(agree=not self._peer_lost)
         self._count_flops_done()  # a run that never called backward
         self._hang.close()
         self.reporter.close()

@@ -130,8 +130,8 @@ class RunState:
             raise ValueError("save() needs a directory (or Run(checkpoint_dir=...))")
         # One write in flight: the previous background one ends (or raises) first.
         self.wait_for_saves()
-        background = self._config.async_save
         strategy, topology = self._strategy, self._topology
+        background = self._config.async_save and _can_write_in_background(strategy)
         path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
         if self._saved is not None and path.resolve() == self._saved:
             # checkpoint_every and an explicit save() at the same step: written once.
@@ -198,27 +198,35 @@ class RunState:
             self._saved = None  # that step may be saved again
             raise
 
-    def finish_saves(self) -> CheckpointError | None:
+    def finish_saves(self, *, agree: bool) -> CheckpointError | None:
         """At close: wait for the background write and return its error to raise last.
 
-        While another exception ends the run, the write's error is printed instead,
-        so that it does not hide the first one.
+        ``agree``: then all ranks also meet once the write is done, so that on every
+        rank a returned close() means a complete checkpoint (the synchronous save's
+        barrier). Skipped while an exception ends the run (peers may be elsewhere);
+        then the write's error is printed, so that it does not hide the first one.
         """
+        ending = sys.exc_info()[1]  # close() from __exit__ or a finally block
+        pending = self._writer.pending
+        failed = None
         try:
             self.wait_for_saves()
         except CheckpointError as exc:
-            if sys.exc_info()[1] is None:
-                return exc
-            print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
-        return None
+            failed = exc
+        if pending and agree and ending is None:
+            self._strategy.barrier()
+        if failed is not None and ending is not None:
+            print(f"paratrain: error: {failed}", file=sys.stderr, flush=True)
+            return None
+        return failed
 
     def _group(self) -> Any:
-        """The gloo group of all ranks that background sharded writes use (None: one process)."""
+        """The gloo group of all ranks that background sharded writes use."""
         import datetime
 
         import torch.distributed as dist
 
-        if self._checkpoint_group is None and dist.is_initialized():
+        if self._checkpoint_group is None:
             # Collective, but every rank saves the same step, so all create it here.
             self._checkpoint_group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self._config.timeout_s))
@@ -304,6 +312,15 @@ class RunState:
         except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
             raise CheckpointError(f"sharded checkpoint {path} does not match the optimizer "
                                   f"({type(exc).__name__}: {_reason(exc)})") from None
+
+
+def _can_write_in_background(strategy: Strategy) -> bool:
+    """False for a sharded strategy in one process without a process group (it runs
+    unsharded): DCP's single-process save warns from its writer thread, where the
+    warning cannot be silenced without racing the training thread's filters."""
+    import torch.distributed as dist
+
+    return not isinstance(strategy, ShardedState) or dist.is_initialized()
 
 
 def _reason(exc: BaseException) -> str:
