@@ -173,9 +173,9 @@ class RunState:
             else:
                 strategy.save_sharded_state(str(sharded), self.models, self.optimizers)
                 strategy.barrier()
-        self._saved = path.resolve()
         if background:
             # Copied now, so the file holds this step whatever training does next.
+            self._saved = path.resolve()  # reset if the write fails
             small = snapshot(state) if topology.is_main else None
             self._writer.start(write_job(shards, small, path, self._config.keep_checkpoints),
                                label=str(path))
@@ -188,6 +188,7 @@ class RunState:
             written = str(checkpoint.commit(state, path, self._config.keep_checkpoints))
         # Nobody continues (and may be killed) before the file is complete.
         strategy.barrier()
+        self._saved = path.resolve()
         return written
 
     def wait_for_saves(self) -> None:
