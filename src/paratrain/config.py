@@ -54,6 +54,12 @@ class RunConfig:
     keep_checkpoints: int = 2
     """How many complete checkpoints to keep in checkpoint_dir."""
 
+    async_save: bool = False
+    """Write checkpoints in the background: ``run.save()`` and ``checkpoint_every`` copy
+    the state off the device and return; the write ends before the next save, at
+    ``close()`` and at a SIGTERM stop. A hard kill during the write resumes from the
+    previous checkpoint (see docs/checkpoints.md)."""
+
     progress: bool = True
     """Show a progress bar on rank 0."""
 
@@ -102,6 +108,8 @@ class RunConfig:
                 raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
             if self.checkpoint_dir is None:
                 raise ValueError("checkpoint_every needs checkpoint_dir to be set")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"async_save must be True or False, got {self.async_save!r}")
         if self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.tokens_per_sample is not None and (

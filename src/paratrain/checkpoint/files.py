@@ -13,6 +13,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,22 @@ def prune(directory: str | os.PathLike, keep: int) -> None:
     """Delete all but the ``keep`` newest complete checkpoints."""
     for old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
+
+
+def commit(state: dict[str, Any], path: Path, keep: int) -> Path:
+    """Rank 0: write the small file (the commit point), then prune older checkpoints."""
+    written = atomic_save(state, path)
+    prune(path.parent, keep)
+    prune_sharded(path.parent)
+    return written
+
+
+def prune_sharded(directory: Path) -> None:
+    """Delete shard directories whose small checkpoint file was pruned (or never finished)."""
+    kept = {p.with_suffix(".dcp").name for p in list_checkpoints(directory)}
+    for shard_dir in directory.glob("step-*.dcp"):
+        if shard_dir.is_dir() and shard_dir.name not in kept:
+            shutil.rmtree(shard_dir, ignore_errors=True)
 
 
 # -- RNG state as one fixed-size uint8 tensor, so ranks can all_gather it ---------

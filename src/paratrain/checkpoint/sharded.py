@@ -6,7 +6,8 @@
   hyperparameters is built over those.
 * :func:`save_sharded` / :func:`load_sharded`: ``torch.distributed.checkpoint``
   (DCP) with fully-qualified parameter names, so a checkpoint written at one
-  world size or layout loads at another.
+  world size or layout loads at another; :func:`start_save_sharded` writes in
+  the background (DCP's ``async_save``).
 * :func:`lockstep_batches`: evaluation where every rank runs the same number
   of forward passes, because a sharded forward is collective.
 """
@@ -18,6 +19,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,22 @@ def save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
 
     with _single_process_quiet():
         dcp.save(_state(modules, optimizers), checkpoint_id=str(directory))
+
+
+def start_save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
+                       optimizers: list[torch.optim.Optimizer], *,
+                       group: dist.ProcessGroup) -> Future:
+    """Copy this rank's shards to the CPU now and write them on a thread (collective).
+
+    ``group`` carries the writing threads' collectives: it must be a gloo group of
+    all ranks created for checkpoints only, since collectives on the training group
+    from two threads at once would interleave differently on different ranks.
+    Returns the future of the write; its result raises what the write raised.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(_state(modules, optimizers), checkpoint_id=str(directory),
+                          process_group=group)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -96,8 +97,9 @@ class Run(TrainStep):
             FaultHook(parts.faults),
             HealthHook(self._health),
             PeriodicSave(self.config.checkpoint_every, self.save),
-            StopOnSignal(self._stop, self.save, self.close, self.print,
-                         self.config.checkpoint_dir),
+            # A stop exits right after: its checkpoint is written before save returns.
+            StopOnSignal(self._stop, functools.partial(self.save, wait=True), self.close,
+                         self.print, self.config.checkpoint_dir),
         ]
 
     # -- identity ---------------------------------------------------------------
@@ -318,14 +320,19 @@ class Run(TrainStep):
         self.reporter.log(metrics, step=self.global_step)
 
     # -- checkpoints --------------------------------------------------------------
-    def save(self, directory: str | os.PathLike | None = None) -> str | None:
-        """Write a resumable checkpoint; returns its path (None on ranks that do not write)."""
+    def save(self, directory: str | os.PathLike | None = None, *, wait: bool = False) -> str | None:
+        """Write a resumable checkpoint; returns its path (None on ranks that do not write).
+
+        With ``async_save=True`` it returns once the state is copied off the device and
+        the file is written in the background (complete before the next save and at
+        :meth:`close`); ``wait=True`` returns only once it is written on every rank.
+        """
         if self._micro_step:
             raise ValueError(
                 "save() was called in the middle of a gradient-accumulation group; "
                 "call it after a run.step() that stepped the optimizer"
             )
-        return self.state.save(directory)
+        return self.state.save(directory, wait=wait)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restore model, optimizer, data position, step and RNG states from ``path``."""
@@ -337,6 +344,8 @@ class Run(TrainStep):
         if self._closed:
             return
         self._closed = True
+        # A background checkpoint write ends first: a sharded one needs the process group.
+        failed = self.state.finish_saves(agree=not self._peer_lost)
         self._count_flops_done()  # a run that never called backward
         self._hang.close()
         self.reporter.close()
@@ -346,6 +355,8 @@ class Run(TrainStep):
         self.strategy.teardown()
         if self._owns_group:
             destroy_process_group()
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> Run:
         return self

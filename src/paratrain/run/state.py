@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint import files as checkpoint
+from paratrain.checkpoint.background import BackgroundWriter, snapshot, write_job
 from paratrain.checkpoint.files import CheckpointError
 from paratrain.data.loader import DataCursor, DistributedLoader
 from paratrain.run.seeding import seed_everything
@@ -46,6 +48,8 @@ class RunState:
         self._resume_cursor: DataCursor | None = None
         self._resume_checked = False
         self._saved: Path | None = None  # the checkpoint of the current step, once written
+        self._writer = BackgroundWriter()
+        self._checkpoint_group: Any = None  # gloo group of the background sharded writes
 
     def register(self, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
         self.models.append(model)
@@ -58,6 +62,12 @@ class RunState:
         self.loaders.append(loader)
 
     def release(self) -> None:
+        if self._checkpoint_group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(self._checkpoint_group)
+            self._checkpoint_group = None
         self.models.clear()
         self.optimizers.clear()
         self.schedulers.clear()
@@ -114,14 +124,19 @@ class RunState:
         # Through the strategy: ranks that never save (parameter servers) take no part.
         return self._strategy.gather_rng_states(checkpoint.rng_state())
 
-    def save(self, directory: str | os.PathLike | None) -> str | None:
+    def save(self, directory: str | os.PathLike | None, *, wait: bool = False) -> str | None:
         directory = directory or self._config.checkpoint_dir
         if directory is None:
             raise ValueError("save() needs a directory (or Run(checkpoint_dir=...))")
+        # One write in flight: the previous background one ends (or raises) first.
+        self.wait_for_saves()
         strategy, topology = self._strategy, self._topology
+        background = self._config.async_save and _can_write_in_background(strategy)
         path = Path(directory) / checkpoint.checkpoint_name(self.global_step)
         if self._saved is not None and path.resolve() == self._saved:
             # checkpoint_every and an explicit save() at the same step: written once.
+            if wait and background:
+                strategy.barrier()
             return str(path) if topology.is_main else None
         cursor = self._cursor()
         state = {
@@ -136,6 +151,7 @@ class RunState:
             "precision": self._precision.state_dict(),
             "rng": self._gather_rng(),
         }
+        shards = None
         if not isinstance(strategy, ShardedState):
             # State dicts may be collective (sharded strategies): every rank calls them.
             state["models"] = [strategy.model_state_dict(m) for m in self.models]
@@ -149,22 +165,77 @@ class RunState:
             # Every rank writes its own shards (torch.distributed.checkpoint) next to the
             # small file, which rank 0 writes last: its presence marks a complete checkpoint.
             sharded = path.with_suffix(".dcp")
-            strategy.save_sharded_state(str(sharded), self.models, self.optimizers)
             state.update(models=[], optimizers=[], sharded=sharded.name,
                          num_models=len(self.models), optimizer_layout="flat")
-            strategy.barrier()
+            if background:
+                shards = strategy.start_sharded_save(str(sharded), self.models,
+                                                     self.optimizers, group=self._group())
+            else:
+                strategy.save_sharded_state(str(sharded), self.models, self.optimizers)
+                strategy.barrier()
+        if background:
+            # Copied now, so the file holds this step whatever training does next.
+            self._saved = path.resolve()  # reset if the write fails
+            small = snapshot(state) if topology.is_main else None
+            self._writer.start(write_job(shards, small, path, self._config.keep_checkpoints),
+                               label=str(path))
+            if wait:
+                self.wait_for_saves()
+                strategy.barrier()  # as below: rank 0's file is complete before anyone exits
+            return str(path) if topology.is_main else None
         written = None
         if topology.is_main:
-            written = str(checkpoint.atomic_save(state, path))
-            checkpoint.prune(directory, self._config.keep_checkpoints)
-            _prune_sharded(Path(directory))
+            written = str(checkpoint.commit(state, path, self._config.keep_checkpoints))
         # Nobody continues (and may be killed) before the file is complete.
         strategy.barrier()
         self._saved = path.resolve()
         return written
 
+    def wait_for_saves(self) -> None:
+        """Block until the background write is complete; CheckpointError if it failed."""
+        try:
+            self._writer.wait()
+        except CheckpointError:
+            self._saved = None  # that step may be saved again
+            raise
+
+    def finish_saves(self, *, agree: bool) -> CheckpointError | None:
+        """At close: wait for the background write and return its error to raise last.
+
+        ``agree``: then all ranks also meet once the write is done, so that on every
+        rank a returned close() means a complete checkpoint (the synchronous save's
+        barrier). Skipped while an exception ends the run (peers may be elsewhere);
+        then the write's error is printed, so that it does not hide the first one.
+        """
+        ending = sys.exc_info()[1]  # close() from __exit__ or a finally block
+        pending = self._writer.pending
+        failed = None
+        try:
+            self.wait_for_saves()
+        except CheckpointError as exc:
+            failed = exc
+        if pending and agree and ending is None:
+            self._strategy.barrier()
+        if failed is not None and ending is not None:
+            print(f"paratrain: error: {failed}", file=sys.stderr, flush=True)
+            return None
+        return failed
+
+    def _group(self) -> Any:
+        """The gloo group of all ranks that background sharded writes use."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if self._checkpoint_group is None:
+            # Collective, but every rank saves the same step, so all create it here.
+            self._checkpoint_group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=self._config.timeout_s))
+        return self._checkpoint_group
+
     # -- load ---------------------------------------------------------------------------
     def load(self, path: str | os.PathLike) -> None:
+        self.wait_for_saves()  # ``path`` may be the checkpoint being written
         strategy, topology = self._strategy, self._topology
         state = checkpoint.safe_load(path)
         num_models = state.get("num_models", len(state["models"]))
@@ -244,6 +315,15 @@ class RunState:
                                   f"({type(exc).__name__}: {_reason(exc)})") from None
 
 
+def _can_write_in_background(strategy: Strategy) -> bool:
+    """False for a sharded strategy in one process without a process group (it runs
+    unsharded): DCP's single-process save warns from its writer thread, where the
+    warning cannot be silenced without racing the training thread's filters."""
+    import torch.distributed as dist
+
+    return not isinstance(strategy, ShardedState) or dist.is_initialized()
+
+
 def _reason(exc: BaseException) -> str:
     """The whole message of ``exc`` on one line (torch's spans several)."""
     return " ".join(str(exc).split())[:400] or type(exc).__name__
@@ -268,13 +348,3 @@ def _by_name(path: str | os.PathLike, state: dict[str, Any], names: list[str] | 
     return {"state": {names[i]: v for i, v in state["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                              for g in state["param_groups"]]}
-
-
-def _prune_sharded(directory: Path) -> None:
-    """Delete shard directories whose small checkpoint file was pruned (or never finished)."""
-    import shutil
-
-    kept = {p.with_suffix(".dcp").name for p in checkpoint.list_checkpoints(directory)}
-    for shard_dir in directory.glob("step-*.dcp"):
-        if shard_dir.is_dir() and shard_dir.name not in kept:
-            shutil.rmtree(shard_dir, ignore_errors=True)

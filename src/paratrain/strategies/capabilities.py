@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from paratrain.compile import CompileOptions
     from paratrain.precision import Precision
     from paratrain.strategies.base import Strategy
@@ -61,6 +63,16 @@ class ShardedState(ABC):
         from paratrain.checkpoint.sharded import save_sharded
 
         save_sharded(directory, [self.checkpoint_module(m) for m in models], optimizers)
+
+    def start_sharded_save(self, directory: str, models: list[nn.Module],
+                           optimizers: list[torch.optim.Optimizer], *,
+                           group: Any) -> Future:
+        """Like :meth:`save_sharded_state`, but only the copy to the CPU happens now; the
+        write runs on a thread whose collectives use ``group``. Returns its future."""
+        from paratrain.checkpoint.sharded import start_save_sharded
+
+        return start_save_sharded(directory, [self.checkpoint_module(m) for m in models],
+                                  optimizers, group=group)
 
     def load_sharded_state(self, directory: str, models: list[nn.Module],
                            optimizers: list[torch.optim.Optimizer], *,

@@ -90,8 +90,8 @@ DELEGATED = (
     "load_optimizer_state_dict", "all_reduce", "all_gather", "barrier", "gather_rng_states",
     "teardown",
     # ShardedState
-    "checkpoint_module", "partial_model", "save_sharded_state", "load_sharded_state",
-    "full_state_dict",
+    "checkpoint_module", "partial_model", "save_sharded_state", "start_sharded_save",
+    "load_sharded_state", "full_state_dict",
     # PrecisionPolicy
     "configure_precision",
     # Compiles
