@@ -25,22 +25,33 @@ def convnet() -> nn.Sequential:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with one fused ``qkv`` projection."""
+    """Multi-head causal self-attention with separate ``q``, ``k``, ``v`` projections.
+
+    They are separate so that a tensor-parallel plan can split each one colwise (whole
+    heads per rank) and ``proj`` rowwise; a fused ``qkv`` split colwise would hand one
+    rank all of q and part of k.
+    """
 
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
         self.n_head = n_head
         self.head_dim = n_embd // n_head
         self.dropout = dropout
-        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.q = nn.Linear(n_embd, n_embd)
+        self.k = nn.Linear(n_embd, n_embd)
+        self.v = nn.Linear(n_embd, n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, _ = x.shape
-        # The head count follows the projection's width, so a tensor-parallel shard
-        # of qkv (whole heads per rank) runs its local heads unchanged.
-        q, k, v = self.qkv(x).view(batch, time, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+
+        # The head count follows the projection's width, so a tensor-parallel shard of
+        # q/k/v (whole heads per rank) runs its local heads unchanged.
+        def heads(linear: nn.Linear) -> torch.Tensor:
+            return linear(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads(self.q), heads(self.k), heads(self.v),
+                                             is_causal=True,
                                              dropout_p=self.dropout if self.training else 0.0)
         return self.proj(out.transpose(1, 2).reshape(batch, time, -1))
 
@@ -75,7 +86,7 @@ class GPT(nn.Module):
     """A small decoder-only transformer (nanoGPT layout), returning logits ``(B, T, vocab)``.
 
     Parts: ``tok_emb`` + ``pos_emb`` -> ``blocks`` (a ``ModuleList``; each has
-    ``attn.qkv``, ``attn.proj``, ``mlp.fc``, ``mlp.proj``) -> ``ln_f`` -> ``head``. The
+    ``attn.q``/``k``/``v``, ``attn.proj``, ``mlp.fc``, ``mlp.proj``) -> ``ln_f`` -> ``head``. The
     head is not tied to the token embedding, so a pipeline can put them on different
     stages. A part set to ``None`` is skipped (see :meth:`pipeline_layout`).
 

@@ -57,7 +57,7 @@ def test_stages_keep_full_names_and_together_equal_the_model():
     last = cut_stage(gpt(), layout_of(gpt()), stages, 1)
     first_names = {n for n, _ in first.named_parameters()}
     last_names = {n for n, _ in last.named_parameters()}
-    assert "tok_emb.weight" in first_names and "blocks.0.attn.qkv.weight" in first_names
+    assert "tok_emb.weight" in first_names and "blocks.0.attn.q.weight" in first_names
     assert "blocks.3.mlp.proj.weight" in last_names and "head.weight" in last_names
     assert not first_names & last_names and first_names | last_names == names
     torch.testing.assert_close(last(first(x)), expected, rtol=0, atol=0)
