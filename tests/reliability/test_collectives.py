@@ -223,7 +223,9 @@ def test_names_the_rank_that_skipped_a_collective():
 
 @pytest.mark.slow
 def test_names_the_rank_that_sleeps_outside_the_ddp_all_reduce():
-    (line,) = _spawn("ddp_sleep")
+    # Three processes on two cores may reach prepare()'s check more than the 1 s warning
+    # apart, which is reported too (correctly); the report under test is the forward one.
+    (line,) = [r for r in _spawn("ddp_sleep") if " is in forward at " in r]
     assert line.startswith(
         "paratrain: rank 1 (host 127.0.0.1) is in forward at "
         f"test_collectives.py:{_line_of('# forward line')}, not in a collective; "), line
