@@ -5,7 +5,8 @@
 
 Jobs: the demo's ConvNet on Fashion-MNIST (batch 64, float32); ResNet-18 with a 32x32
 stem on synthetic 32x32 images (batch 256, bf16 autocast); a GPT-2-small-sized
-``paratrain.models.GPT`` (12 x 768, seq 1024, batch 8, bf16) on random tokens. Each
+``paratrain.models.GPT`` (12 x 768, seq 1024, batch 8, bf16) on random tokens. On CPU
+the sizes are small and every job runs in float32 (``--precision`` changes it). Each
 framework is written as its documentation shows it, data included: raw PyTorch
 iterates a ``DataLoader``, Accelerate ``prepare``s the model, optimizer and loader,
 Fabric uses ``setup`` and ``setup_dataloaders``, paratrain ``run.prepare`` and
@@ -35,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from peers_report import (
     JOBS,
-    PRECISION,
     JobSize,
     Result,
     interleaved,
+    job_precision,
     job_size,
     markdown_table,
     variants,
@@ -193,14 +194,15 @@ def resident_mib() -> float | None:
 
 
 def measure(variant: str, job: str, size: JobSize, dataset: TensorDataset,
-            device: torch.device, *, warmup: int, steps: int) -> tuple[float, float | None]:
+            device: torch.device, *, precision: str, warmup: int,
+            steps: int) -> tuple[float, float | None]:
     """Build ``variant`` afresh, warm it up, time ``steps`` steps: (samples/s, peak MiB)."""
     gc.collect()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    step, batches, cleanup = BUILDERS[variant](job, size, dataset, device, PRECISION[job],
+    step, batches, cleanup = BUILDERS[variant](job, size, dataset, device, precision,
                                                COMPILE.get(variant, False))
     try:
         for _ in range(warmup):
@@ -229,18 +231,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", default=None,
                         help="default: every variant that applies to the accelerator")
     parser.add_argument("--repeats", type=int, default=None, help="default: 3 cuda, 2 cpu")
-    parser.add_argument("--warmup", type=int, default=None, help="default: 10 cuda, 2 cpu")
-    parser.add_argument("--steps", type=int, default=None, help="default: 50 cuda, 5 cpu")
+    parser.add_argument("--warmup", type=int, default=None, help="default: 10 cuda, 1 cpu")
+    parser.add_argument("--steps", type=int, default=None, help="default: 50 cuda, 4 cpu")
     parser.add_argument("--batch-size", type=int, default=None, help="replaces every job's")
     parser.add_argument("--samples", type=int, default=None, help="dataset length, every job")
     parser.add_argument("--seq-len", type=int, default=None, help="gpt")
     parser.add_argument("--gpt-layers", type=int, default=None)
     parser.add_argument("--gpt-width", type=int, default=None, help="n_embd; heads of 64")
+    parser.add_argument("--precision", default=None, choices=("32", "bf16-mixed"),
+                        help="every job's; default: as named on cuda, 32 on cpu")
     parser.add_argument("--compile-on-cpu", action="store_true")
     parser.add_argument("--data-dir", default=None, help="Fashion-MNIST files")
     args = parser.parse_args(argv)
     cpu = args.accelerator == "cpu"
-    for name, on_cpu, on_cuda in (("repeats", 2, 3), ("warmup", 2, 10), ("steps", 5, 50)):
+    for name, on_cpu, on_cuda in (("repeats", 2, 3), ("warmup", 1, 10), ("steps", 4, 50)):
         if getattr(args, name) is None:
             setattr(args, name, on_cpu if cpu else on_cuda)
     if args.accelerator == "cuda" and not torch.cuda.is_available():
@@ -270,12 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         size = job_size(job, accelerator=args.accelerator, batch_size=args.batch_size,
                         samples=args.samples, seq_len=args.seq_len, n_layer=args.gpt_layers,
                         n_embd=args.gpt_width)
+        precision = job_precision(job, accelerator=args.accelerator, override=args.precision)
         dataset = make_dataset(job, size, args.data_dir)
-        print(f"{job}: {size}, {len(dataset)} samples, precision {PRECISION[job]}", flush=True)
+        print(f"{job}: {size}, {len(dataset)} samples, precision {precision}", flush=True)
         by_variant = {n: Result(job, n) for n in names}
         for repeat in range(args.repeats):
             for name in interleaved(names, repeat):
-                speed, peak = measure(name, job, size, dataset, device,
+                speed, peak = measure(name, job, size, dataset, device, precision=precision,
                                       warmup=args.warmup, steps=args.steps)
                 by_variant[name].speeds.append(speed)
                 by_variant[name].peaks_mib.append(peak)

@@ -40,13 +40,27 @@ DEFAULT_SIZES = {
     },
     "cpu": {
         "convnet": JobSize(batch_size=64, samples=2_000),
-        "resnet18": JobSize(batch_size=32, samples=512),
+        "resnet18": JobSize(batch_size=16, samples=512),
         "gpt": JobSize(batch_size=8, samples=256, seq_len=128, n_layer=2, n_embd=128,
                        n_head=4, vocab_size=1_024),
     },
 }
 
 PRECISION = {"convnet": "32", "resnet18": "bf16-mixed", "gpt": "bf16-mixed"}
+"""The jobs' precision on CUDA."""
+
+
+def job_precision(job: str, *, accelerator: str, override: str | None = None) -> str:
+    """The precision ``job`` runs at: ``override``, else as named on CUDA, float32 on CPU.
+
+    CPUs without bf16 units (most, before AMX) emulate bf16 matmuls, so bf16 autocast
+    there measures the emulation rather than the frameworks.
+    """
+    if override is not None:
+        if override not in ("32", "bf16-mixed"):
+            raise ValueError(f"precision must be '32' or 'bf16-mixed', got {override!r}")
+        return override
+    return PRECISION[job] if accelerator == "cuda" else "32"
 
 
 def job_size(job: str, *, accelerator: str, batch_size: int | None = None,

@@ -12,6 +12,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks
 from peers_report import (  # noqa: E402
     Result,
     interleaved,
+    job_precision,
     job_size,
     markdown_table,
     ratios_to_best_peer,
@@ -70,3 +71,12 @@ def test_table_rows_and_missing_values():
     assert lines[3] == "| convnet | paratrain | 400.0 | 400.0-400.0 | 2.00 | 12 |"
     no_peer = markdown_table([Result("gpt", "paratrain", [1.0])], memory_label="m")
     assert "| n/a | n/a |" in no_peer
+
+
+def test_precision_is_bf16_on_cuda_float32_on_cpu_unless_given():
+    assert job_precision("gpt", accelerator="cuda") == "bf16-mixed"
+    assert job_precision("convnet", accelerator="cuda") == "32"
+    assert job_precision("resnet18", accelerator="cpu") == "32"
+    assert job_precision("resnet18", accelerator="cpu", override="bf16-mixed") == "bf16-mixed"
+    with pytest.raises(ValueError, match="precision must be"):
+        job_precision("gpt", accelerator="cpu", override="16-mixed")
