@@ -197,6 +197,9 @@ def measure(variant: str, job: str, size: JobSize, dataset: TensorDataset,
             device: torch.device, *, precision: str, warmup: int,
             steps: int) -> tuple[float, float | None]:
     """Build ``variant`` afresh, warm it up, time ``steps`` steps: (samples/s, peak MiB)."""
+    # Compiled code (and the memory pools of its CUDA graphs) from an earlier variant
+    # would otherwise stay alive and count in this one's peak.
+    torch.compiler.reset()
     gc.collect()
     cuda = device.type == "cuda"
     if cuda:
