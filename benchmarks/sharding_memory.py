@@ -14,13 +14,12 @@ is timed at several micro-batch counts and its idle fraction compared with
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from memory_probe import local_bytes, max_rss, mlp, optimizer_state_bytes
 from torch.utils.data import TensorDataset
 
 import paratrain
@@ -29,33 +28,15 @@ from paratrain.distributed.spawn import spawn
 STRATEGIES = ("ddp", "fsdp", "pipeline")
 
 
-def model_of(width: int, depth: int) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
 
-
-def _bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor):
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
-
-
-def _max_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def memory_worker(rank, world_size, strategy, width, depth, batch_size, num_steps):
     torch.set_num_threads(1)
     run = paratrain.Run(strategy=strategy if world_size > 1 else "single", progress=False,
                         accelerator="cpu", seed=0)
-    baseline = _max_rss()
-    model = model_of(width, depth)
+    baseline = max_rss()
+    model = mlp(width, depth)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     model, optimizer = run.prepare(model, optimizer)
     data = TensorDataset(torch.randn(batch_size * 64, width), torch.randint(0, 10, (batch_size * 64,)))
@@ -66,11 +47,11 @@ def memory_worker(rank, world_size, strategy, width, depth, batch_size, num_step
             if step == num_steps:
                 break
             run.backward(F.cross_entropy(model(x), y))
-            grads = _bytes(p.grad for p in model.parameters())
+            grads = local_bytes(p.grad for p in model.parameters())
             run.step(optimizer)
-    params = _bytes(model.parameters())
-    state = _bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
-    peak = _max_rss() - baseline
+    params = local_bytes(model.parameters())
+    state = optimizer_state_bytes(optimizer)
+    peak = max_rss() - baseline
     run.close()
     return {"params": params, "grads": grads, "optimizer": state, "peak": peak}
 
@@ -80,7 +61,7 @@ def bubble_worker(rank, world_size, width, depth, batch_size, num_microbatches, 
     run = paratrain.Run(strategy="pipeline", progress=False, accelerator="cpu", seed=0,
                         strategy_options={"schedule": "gpipe",
                                           "num_microbatches": num_microbatches})
-    model = model_of(width, depth)
+    model = mlp(width, depth)
     model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     x, y = torch.randn(batch_size, width), torch.randint(0, 10, (batch_size,))
     times = []

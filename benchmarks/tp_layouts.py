@@ -13,72 +13,16 @@ step time after the first step.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from memory_probe import local_bytes, max_rss, optimizer_state_bytes
 
 import paratrain
 from paratrain.distributed.spawn import spawn
-
-
-class Attention(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.n_head = heads  # divided by the tensor degree under tp
-        self.q, self.k, self.v = (nn.Linear(width, width, bias=False) for _ in range(3))
-        self.proj = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (f(x).view(b, t, self.n_head, -1).transpose(1, 2)
-                   for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = Attention(width, heads)
-        self.fc, self.proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, *, vocab: int, width: int, heads: int, depth: int, seq: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Parameter(torch.zeros(seq, width))
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def _bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            local = t.to_local() if hasattr(t, "to_local") else t
-            total += local.numel() * local.element_size()
-    return total
-
-
-def _max_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from paratrain.models import GPT
 
 
 def worker(rank, world_size, layout, config, global_batch, num_steps):
@@ -86,9 +30,10 @@ def worker(rank, world_size, layout, config, global_batch, num_steps):
     options = {"tensor_degree": 2} if layout == "fsdp_tp" else {}
     run = paratrain.Run(strategy=layout, strategy_options=options, progress=False,
                         accelerator="cpu", seed=0)
-    baseline = _max_rss()
+    baseline = max_rss()
     torch.manual_seed(0)
-    model = GPT(**config)
+    model = GPT(vocab_size=config["vocab"], block_size=config["seq"], n_layer=config["depth"],
+                n_head=config["heads"], n_embd=config["width"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = run.prepare(model, optimizer)
     batch = global_batch // run.strategy.data_parallel_size
@@ -100,13 +45,13 @@ def worker(rank, world_size, layout, config, global_batch, num_steps):
         start = time.perf_counter()
         logits = model(idx[:, :-1])
         run.backward(F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()))
-        grads = _bytes(p.grad for p in model.parameters())
+        grads = local_bytes(p.grad for p in model.parameters())
         run.step(optimizer)
         run.strategy.barrier()
         times.append(time.perf_counter() - start)
-    params = _bytes(model.parameters())
-    state = _bytes(v for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
-    peak = _max_rss() - baseline
+    params = local_bytes(model.parameters())
+    state = optimizer_state_bytes(optimizer)
+    peak = max_rss() - baseline
     run.close()
     return {"state": params + grads + state, "peak": peak, "step": statistics.median(times[1:])}
 

@@ -13,13 +13,12 @@ of one optimizer step (forward, backward, step) after two warm-up steps.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from memory_probe import local_bytes, max_rss, mlp, optimizer_state_bytes
 
 import paratrain
 from paratrain.distributed.spawn import spawn
@@ -28,31 +27,14 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 WARMUP = 2
 
 
-def model_of(width: int, depth: int) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
 
-
-def _bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            total += local.numel() * local.element_size()
-    return total
-
-
-def _max_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def memory_worker(rank, world_size, strategy, width, depth, batch_size, num_steps):
     torch.set_num_threads(1)
     run = paratrain.Run(strategy=strategy, progress=False, accelerator="cpu", seed=0)
-    baseline = _max_rss()
-    model = model_of(width, depth)
+    baseline = max_rss()
+    model = mlp(width, depth)
     model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-4))
     x, y = torch.randn(batch_size, width), torch.randint(0, 10, (batch_size,))
     grads, held, times = 0, 0, []
@@ -61,17 +43,17 @@ def memory_worker(rank, world_size, strategy, width, depth, batch_size, num_step
         start = time.perf_counter()
         loss = F.cross_entropy(model(x), y)
         # Between forward and backward: whole under zero2, one block at a time under fsdp.
-        held = _bytes(model.parameters())
+        held = local_bytes(model.parameters())
         run.backward(loss)
-        grads = _bytes(p.grad for p in model.parameters())
+        grads = local_bytes(p.grad for p in model.parameters())
         run.step(optimizer)
         run.strategy.barrier()
         times.append(time.perf_counter() - start)
     # zero1's ZeroRedundancyOptimizer keeps this rank's state in its local optimizer.
     local = getattr(optimizer, "optim", optimizer)
-    state = _bytes(v for s in local.state.values() for v in s.values())
-    result = {"params": _bytes(model.parameters()), "held": held, "grads": grads, "optimizer": state,
-              "peak": _max_rss() - baseline, "step": statistics.median(times[WARMUP:])}
+    state = optimizer_state_bytes(local)
+    result = {"params": local_bytes(model.parameters()), "held": held, "grads": grads, "optimizer": state,
+              "peak": max_rss() - baseline, "step": statistics.median(times[WARMUP:])}
     run.close()
     return result
 
@@ -84,7 +66,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     args = parser.parse_args()
     mib = 2**20
-    numel = sum(p.numel() for p in model_of(args.width, args.depth).parameters())
+    numel = sum(p.numel() for p in mlp(args.width, args.depth).parameters())
     print(f"model: {args.depth} x Linear({args.width}, {args.width}) + head = "
           f"{numel / 1e6:.1f}M parameters, Adam, float32, 2 ranks (gloo, CPU)")
     print(f"{'strategy':<9} {'params MiB':>11} {'in step':>8} {'grads MiB':>10} {'optim MiB':>10} "
