@@ -13,21 +13,14 @@ code is HSDP: sharded within a node, replicated across nodes (used by the
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from paratrain.checkpoint.sharded import (
-    load_full_model_state,
-    load_full_optimizer_state,
-    lockstep_batches,
-    parameter_names,
-    rebuild_optimizer,
-)
+from paratrain.checkpoint.sharded import parameter_names
 from paratrain.compile import CompileOptions, compile_forward
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
@@ -37,6 +30,11 @@ from paratrain.strategies.capabilities import (
     LockstepEvaluation,
     PrecisionPolicy,
     ShardedState,
+)
+from paratrain.strategies.dtensor_params import (
+    DTensorParameters,
+    mixed_precision_policy,
+    shard_units,
 )
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
@@ -101,7 +99,8 @@ def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module], bool]:
     return policy
 
 
-class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy, Compiles):
+class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
+                   PrecisionPolicy, Compiles):
     """Shard parameters, gradients and optimizer state over the data-parallel ranks.
 
     Args:
@@ -133,17 +132,8 @@ class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy, 
         return f"strategy {self.name!r} in one process: nothing to shard, running as 'single'"
 
     def configure_precision(self, precision: Any) -> None:
-        if precision.mode == "16-mixed":
-            # GradScaler's inf check would see only this rank's gradient shard, so ranks
-            # could disagree on skipping a step.
-            raise ValueError("precision '16-mixed' is not supported with sharded gradients; "
-                             "use 'bf16-mixed' (no loss scaling needed)")
-        if precision.autocast_dtype is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            # Gathered parameters in the compute dtype, gradients reduced in float32.
-            self._mp_policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype,
-                                                   reduce_dtype=torch.float32)
+        self._mp_policy = mixed_precision_policy(precision,
+                                                 refuse_fp16="with sharded gradients")
 
     def configure_compile(self, options: CompileOptions) -> None:
         self._compile = options
@@ -171,75 +161,24 @@ class FSDPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy, 
             model = model.to(self.topology.device)
         names = parameter_names(model)
         if self.active:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy
 
-            kwargs = dict(mesh=self._fsdp_mesh(),
-                          reshard_after_forward=self.options.reshard_after_forward,
-                          mp_policy=self._mp_policy or MixedPrecisionPolicy(),
-                          offload_policy=self._offload_policy())
-            wrap = wrap_predicate(self.options.wrap_policy, model)
-            # Bottom-up: a unit must be wrapped before the unit that contains it.
-            for _, module in reversed(list(model.named_modules())[1:]):
-                if wrap(module):
-                    if self._compile is not None:
-                        # Per block, before sharding (as torchtitan does): the block's
-                        # graph stays whole, FSDP's hooks run around it.
-                        compile_forward(module, self._compile)
-                    fully_shard(module, **kwargs)
-            fully_shard(model, **kwargs)
+            compile_options = self._compile
+            shard_units(
+                model, wrap_predicate(self.options.wrap_policy, model),
+                # Per block, before sharding (as torchtitan does): the block's graph stays
+                # whole, FSDP's hooks run around it.
+                before_shard=None if compile_options is None
+                else lambda unit: compile_forward(unit, compile_options),
+                mesh=self._fsdp_mesh(), reshard_after_forward=self.options.reshard_after_forward,
+                mp_policy=self._mp_policy or MixedPrecisionPolicy(),
+                offload_policy=self._offload_policy())
         elif self._compile is not None:
             compile_forward(model, self._compile)
-        self._names.update(names)
-        self._params.update(dict(model.named_parameters()))
+        self._remember(model, names)
         return model
-
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if not self.active:
-            return optimizer
-        # fully_shard replaced the parameters by DTensor shards: step over those.
-        return rebuild_optimizer(optimizer, self._names, self._params)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        if not self.active:
-            return contextlib.nullcontext()
-        return _gradient_sync_disabled(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         norm = nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
         # The norm of sharded gradients is a DTensor; callers want a plain number.
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-        if not self.active:
-            yield from ((batch, True) for batch in batches)
-            return
-        yield from lockstep_batches(batches, device=self.topology.device)
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        # A one-file (replicated) checkpoint: full tensors, scattered into this rank's shards.
-        load_full_model_state(model, state, partial=False)
-
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                                  state: dict) -> None:
-        load_full_optimizer_state(model, optimizer, state)
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The unsharded model state on every rank (collective), e.g. for export."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        if not self.active:
-            return {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
-@contextlib.contextmanager
-def _gradient_sync_disabled(model: nn.Module) -> Iterator[None]:
-    # Gradients stay unsharded and local until the last micro-step reduce-scatters them.
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)

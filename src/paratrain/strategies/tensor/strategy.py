@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,17 +30,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.checkpoint.sharded import (
-    load_full_model_state,
-    load_full_optimizer_state,
-    lockstep_batches,
-    parameter_names,
-    rebuild_optimizer,
-)
+from paratrain.checkpoint.sharded import parameter_names
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import LockstepEvaluation, PrecisionPolicy, ShardedState
+from paratrain.strategies.dtensor_params import (
+    DTensorParameters,
+    mixed_precision_policy,
+    shard_units,
+)
 from paratrain.strategies.fsdp import wrap_predicate
 from paratrain.strategies.tensor.plan import (
     check_divisible,
@@ -99,15 +98,8 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
 def apply_fsdp(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,
                mp_policy: Any) -> None:
     """``fully_shard`` every block (as ``fsdp``'s default wrap policy), then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs = dict(mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
-                  mp_policy=mp_policy)
-    wrap = wrap_predicate(None, model)
-    for _, module in reversed(list(model.named_modules())[1:]):
-        if wrap(module):
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    shard_units(model, wrap_predicate(None, model), mesh=dp_mesh,
+                reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
 
 
 def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
@@ -124,7 +116,8 @@ def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     return torch.stack(squares).sum().sqrt()
 
 
-class TPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
+class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
+                 PrecisionPolicy):
     """Tensor parallel over every rank (``tp``); :class:`FSDPTPStrategy` adds FSDP."""
 
     name = "tp"
@@ -163,15 +156,7 @@ class TPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
         return self.mesh.group("shard")
 
     def configure_precision(self, precision: Any) -> None:
-        if precision.mode == "16-mixed":
-            # GradScaler's inf check sees local shards, so ranks could disagree on a skip.
-            raise ValueError("precision '16-mixed' is not supported with tensor parallel; "
-                             "use 'bf16-mixed' (no loss scaling needed)")
-        if precision.autocast_dtype is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            self._mp_policy = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype,
-                                                   reduce_dtype=torch.float32)
+        self._mp_policy = mixed_precision_policy(precision, refuse_fp16="with tensor parallel")
 
     # -- model and optimizer --------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -186,59 +171,24 @@ class TPStrategy(Strategy, ShardedState, LockstepEvaluation, PrecisionPolicy):
                 apply_fsdp(model, self.mesh.submesh("shard"),
                            reshard_after_forward=getattr(self.options, "reshard_after_forward", True),
                            mp_policy=self._mp_policy or MixedPrecisionPolicy())
-        self._names.update(names)
-        self._params.update(dict(model.named_parameters()))
+        self._remember(model, names)
         return model
 
-    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if not self.active:
-            return optimizer
-        # The split layers hold new (DTensor) parameters: step over those.
-        return rebuild_optimizer(optimizer, self._names, self._params)
-
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        if not self.active or self.data_parallel_size == 1:
+        if self.data_parallel_size == 1:
             # Tensor-parallel all-reduces carry activations, not gradients: they never wait.
             return contextlib.nullcontext()
-        return _gradient_sync_disabled(model)
+        return super().no_sync(model)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
         total = global_grad_norm(params)
+        # One host sync per clipped step: the gradients lie on different meshes (or are
+        # plain tensors), so no single tensor coefficient can scale them all.
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
         for p in params:
             p.grad.mul_(coefficient)
         return total
-
-    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-        if not self.active:
-            yield from ((batch, True) for batch in batches)
-            return
-        yield from lockstep_batches(batches, device=self.topology.device)
-
-    # -- checkpoints ------------------------------------------------------------------
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        # A one-file checkpoint holds whole tensors: each rank keeps its slice.
-        load_full_model_state(model, state, partial=False)
-
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                                  state: dict) -> None:
-        load_full_optimizer_state(model, optimizer, state)
-
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model state on every rank (collective), e.g. for export."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        if not self.active:
-            return {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-    def teardown(self) -> None:
-        self._names.clear()
-        self._params.clear()
 
 
 class FSDPTPStrategy(TPStrategy):
@@ -260,13 +210,3 @@ class FSDPTPStrategy(TPStrategy):
             return super().notice()
         d = self.mesh.degrees
         return f"strategy 'fsdp_tp': shard {d.shard_degree} x tensor {d.tensor_degree}"
-
-
-@contextlib.contextmanager
-def _gradient_sync_disabled(model: nn.Module) -> Iterator[None]:
-    # Gradients stay local until the last micro-step reduce-scatters them over 'shard'.
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
