@@ -103,7 +103,7 @@ class GPT(nn.Module):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be a multiple of n_head={n_head}")
-        self.vocab_size, self.block_size, self.n_head = vocab_size, block_size, n_head
+        self.vocab_size, self.block_size = vocab_size, block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)

@@ -6,11 +6,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from paratrain.distributed.partition import balanced_split
 from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.pipeline.deferred import Deferred, Node
 from paratrain.strategies.pipeline.module import microbatches_for
-from paratrain.strategies.pipeline.strategy import PipelineOptions, balanced_split, stage_layers
+from paratrain.strategies.pipeline.strategy import PipelineOptions, stage_layers
 from paratrain.testing.reference import synthetic_classification
 
 

@@ -63,14 +63,40 @@ def test_stages_keep_full_names_and_together_equal_the_model():
     torch.testing.assert_close(last(first(x)), expected, rtol=0, atol=0)
 
 
+class NormedStack(nn.Module):
+    """BatchNorm before a stack of blocks: measuring must not move its running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.norm(x) if self.norm is not None else x
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+    def pipeline_layout(self):
+        return PipelineLayout(before=("norm",), blocks="blocks", after=("head",),
+                              sample_input=torch.randn(4, 8))
+
+
 def test_measuring_leaves_no_trace():
-    model = gpt()
+    model = GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=4, n_head=2, n_embd=16, dropout=0.1)
     layout = layout_of(model)
     state = torch.random.get_rng_state()
     costs = measure_costs(model, layout, torch.device("cpu"), repeats=1)
     assert len(costs) == 4 and all(c > 0 for c in costs)
+    # Dropout draws from the generator: only the restored state makes this hold.
     assert torch.equal(torch.random.get_rng_state(), state)
     assert all(p.grad is None for p in model.parameters())
+
+    normed = NormedStack()
+    buffers = {k: v.clone() for k, v in normed.named_buffers()}
+    measure_costs(normed, layout_of(normed), torch.device("cpu"), repeats=1)
+    assert all(torch.equal(v, buffers[k]) for k, v in normed.named_buffers())
 
 
 def test_bad_layouts_are_refused_in_one_line():

@@ -4,6 +4,7 @@ as ``fsdp`` does."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 
@@ -102,6 +103,13 @@ def test_options_are_validated_in_one_line():
     assert Zero2Options().fsdp().reshard_after_forward is False
     with pytest.raises(TypeError):
         Zero2Options(reshard_after_forward=True)  # fixed by the strategy
+
+
+def test_zero2_offers_every_fsdp_option_but_the_one_it_fixes():
+    # A new FSDPOptions field must reach zero2 too (Zero2Options.fsdp() passes them on).
+    fsdp_fields = {f.name for f in dataclasses.fields(FSDPOptions)}
+    zero2_fields = {f.name for f in dataclasses.fields(Zero2Options)}
+    assert zero2_fields == fsdp_fields - {"reshard_after_forward"}
 
 
 def test_zero1_refuses_an_optimizer_that_has_state():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import TensorDataset
 
 from paratrain.datasets.images import DatasetNotFound
 
@@ -41,11 +41,12 @@ def find_plays(root: str | Path | None = None) -> list[Path]:
     return files
 
 
-class TokenBlocks(Dataset):
+class TokenBlocks(TensorDataset):
     """Consecutive, non-overlapping blocks of ``block_size`` tokens from one token tensor.
 
     Item ``i`` is ``(tokens[s:s + block_size], tokens[s + 1:s + block_size + 1])`` with
-    ``s = i * block_size``: the target is the input shifted by one token.
+    ``s = i * block_size``: the target is the input shifted by one token. A
+    ``TensorDataset``, so ``run.loader`` gathers whole batches with one indexing operation.
     """
 
     def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
@@ -57,16 +58,9 @@ class TokenBlocks(Dataset):
                              f"({len(tokens)} tokens); use a smaller block_size")
         self.block_size = block_size
         span = count * block_size
-        # Two views of one in-memory tensor: indexing is a slice, no copy per item.
-        self.inputs = tokens[:span].view(count, block_size)
-        self.targets = tokens[1:span + 1].view(count, block_size)
-
-    def __len__(self) -> int:
-        return self.inputs.shape[0]
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[index], self.targets[index]
-
+        # Two views of one in-memory tensor: no copy of the text.
+        super().__init__(tokens[:span].view(count, block_size),
+                         tokens[1:span + 1].view(count, block_size))
 
 @dataclass(frozen=True)
 class CharCorpus:

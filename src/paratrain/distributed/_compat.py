@@ -16,18 +16,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "TORCH_VERSION", "collective_sequence_number", "default_store", "make_tensor_subclass",
-    "nvml_device_index", "release_ddp_reducer", "tree_map",
+    "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
+    "make_tensor_subclass", "nvml_device_index", "release_ddp_reducer",
+    "torch_function_disabled", "tree_map",
 ]
-
-
-def _version(text: str) -> tuple[int, int]:
-    major, minor = (text.split("+")[0].split(".") + ["0"])[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
-#: ``(major, minor)`` of the installed torch.
-TORCH_VERSION = _version(torch.__version__)
 
 
 def _missing(api: str) -> RuntimeError:
@@ -92,3 +84,23 @@ def nvml_device_index(device: torch.device) -> int:
     if lookup is None:
         raise _missing("torch.cuda._get_nvml_device_index")
     return int(lookup(device))
+
+
+def ddp_buffer_sync_kwargs(sync: bool) -> dict[str, bool]:
+    """DDP's keyword for syncing buffers in forward (torch 2.14 renamed
+    ``broadcast_buffers`` to ``forward_sync_buffers``)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": sync}
+    return {"broadcast_buffers": sync}
+
+
+def torch_function_disabled() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called."""
+    disable = getattr(torch._C, "DisableTorchFunctionSubclass", None)
+    if disable is None:
+        raise _missing("torch._C.DisableTorchFunctionSubclass")
+    return disable()

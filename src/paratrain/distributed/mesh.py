@@ -78,12 +78,7 @@ class ParallelDegrees:
     def validate(self, world_size: int) -> None:
         """ValueError naming the bad degree unless the product equals ``world_size``."""
         for axis in AXES:
-            value = getattr(self, f"{axis}_degree")
-            if world_size % value:
-                raise ValueError(
-                    f"{axis}_degree={value} does not divide the world size {world_size}; "
-                    f"choose a divisor of {world_size}"
-                )
+            _check_divides(axis, getattr(self, f"{axis}_degree"), world_size)
         if self.world_size != world_size:
             # Each degree divides the world size but together they do not cover it:
             # no single degree is wrong, so the message names them all.
@@ -104,18 +99,10 @@ class ParallelDegrees:
         given = {"pipeline": pipeline_degree, "replicate": replicate_degree,
                  "shard": shard_degree, "tensor": tensor_degree}
         missing = [axis for axis, value in given.items() if value is None]
-        if len(missing) == 3:
-            given["replicate"] = None
-            given["pipeline"] = given["shard"] = 1
-            missing = ["replicate"]
         for axis, value in given.items():
             if value is not None:
                 cls(**{f"{axis}_degree": value})  # type check with the field's message
-                if world_size % value:
-                    raise ValueError(
-                        f"{axis}_degree={value} does not divide the world size {world_size}; "
-                        f"choose a divisor of {world_size}"
-                    )
+                _check_divides(axis, value, world_size)
         known = math.prod(v for v in given.values() if v is not None)
         fill = next((a for a in ("replicate", "shard", "pipeline") if a in missing), None)
         for axis in missing:
@@ -130,6 +117,12 @@ class ParallelDegrees:
         degrees = cls(**{f"{axis}_degree": value for axis, value in given.items()})
         degrees.validate(world_size)
         return degrees
+
+
+def _check_divides(axis: str, value: int, world_size: int) -> None:
+    if world_size % value:
+        raise ValueError(f"{axis}_degree={value} does not divide the world size {world_size}; "
+                         f"choose a divisor of {world_size}")
 
 
 def coordinates(rank: int, degrees: ParallelDegrees) -> dict[str, int]:

@@ -20,7 +20,7 @@ def delegate(attribute: str, members: Iterable[str]) -> Callable[[T], T]:
     """Class decorator: each of ``members`` forwards to ``self.<attribute>``.
 
     Properties stay properties; methods keep their name and gain a docstring that
-    says where they go. The forwarded names are recorded in ``cls.DELEGATED``.
+    says where they go.
 
     Example:
         >>> @delegate("inner", ["setup_model", "data_parallel_size"])  # doctest: +SKIP
@@ -40,7 +40,6 @@ def delegate(attribute: str, members: Iterable[str]) -> Callable[[T], T]:
                 forward = _method(target, name, f"``self.{attribute}.{name}(...)``.")
                 forward.__qualname__ = f"{cls.__qualname__}.{name}"
             setattr(cls, name, forward)
-        cls.DELEGATED = members  # type: ignore[attr-defined]
         # The forwards implement abstract capability methods declared before them.
         abc.update_abstractmethods(cls)
         return cls

@@ -7,7 +7,6 @@ backward pass is still running, so communication overlaps computation.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -54,13 +53,6 @@ class DDPOptions:
             )
 
 
-def _buffer_sync_kwargs(sync: bool) -> dict[str, bool]:
-    # torch 2.14 renamed broadcast_buffers to forward_sync_buffers; support both.
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": sync}
-    return {"broadcast_buffers": sync}
-
-
 class DDPStrategy(Strategy, Compiles):
     """Replicate the model on every process; all-reduce gradients during backward."""
 
@@ -97,7 +89,7 @@ class DDPStrategy(Strategy, Compiles):
             find_unused_parameters=self.options.find_unused_parameters,
             gradient_as_bucket_view=self.options.gradient_as_bucket_view,
             static_graph=self.options.static_graph,
-            **_buffer_sync_kwargs(self.options.sync_buffers),
+            **_compat.ddp_buffer_sync_kwargs(self.options.sync_buffers),
         )
         hook = COMM_DTYPES[self.options.comm_dtype]
         if hook is not None:
@@ -117,7 +109,7 @@ class DDPStrategy(Strategy, Compiles):
         return contextlib.nullcontext()
 
     def teardown(self) -> None:
-        # Drop the reducers before the process group goes (see runtime.destroy_process_group).
+        # Drop the reducers before the process group goes (see process_group.destroy_process_group).
         for ddp in self._wrapped:
             _compat.release_ddp_reducer(ddp)
         self._wrapped.clear()

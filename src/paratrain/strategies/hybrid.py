@@ -57,8 +57,7 @@ class HybridOptions:
     """Options of the sharding (see ``FSDPOptions``), e.g. ``{"reshard_after_forward": False}``."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.pipeline_degree, int) or self.pipeline_degree < 1:
-            raise ValueError(f"pipeline_degree must be an integer >= 1, got {self.pipeline_degree!r}")
+        ParallelDegrees(pipeline_degree=self.pipeline_degree)  # the field's own message
         if self.pipeline_degree > 1 and self.shard_degree not in (None, 1):
             raise ValueError(
                 f"shard_degree={self.shard_degree} with pipeline_degree={self.pipeline_degree}: "
@@ -78,9 +77,6 @@ class HybridOptions:
                                      pipeline_degree=self.pipeline_degree,
                                      shard_degree=shard, replicate_degree=self.replicate_degree)
 
-
-HYBRID_OWN = ("notice", "evaluation_batches")
-"""Contract members hybrid implements itself: everything else is the inner strategy's."""
 
 DELEGATED = (
     # core
@@ -120,10 +116,9 @@ class HybridStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation
             inner = FSDPStrategy(topology, FSDPOptions(**self.options.fsdp),
                                  timeout_s=timeout_s, degrees=degrees)
         self.inner = inner
-        self.degrees = degrees
 
     def notice(self) -> str | None:
-        d = self.degrees
+        d = self.inner.mesh.degrees
         return (f"strategy 'hybrid': pipeline {d.pipeline_degree} x replicate "
                 f"{d.replicate_degree} x shard {d.shard_degree}")
 

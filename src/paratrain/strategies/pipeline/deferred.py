@@ -25,7 +25,11 @@ from typing import Any
 
 import torch
 
-from paratrain.distributed._compat import make_tensor_subclass, tree_map
+from paratrain.distributed._compat import (
+    make_tensor_subclass,
+    torch_function_disabled,
+    tree_map,
+)
 
 _READ_OUT = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__float__,
              torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__format__,
@@ -99,7 +103,7 @@ class Deferred(torch.Tensor):
             return func(*resolved[0], **resolved[1])
         if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.is_floating_point:
             # dtype, device, shape, requires_grad: answered by the placeholder.
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_function_disabled():
                 return func(*args, **kwargs)
         if func in _READ_OUT:
             raise RuntimeError(

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.distributed.gpu_stats import synchronize
 from paratrain.distributed.partition import balanced_split
 
 
@@ -77,10 +78,11 @@ def block_ranges(costs: list[float], num_stages: int) -> list[range]:
     return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
 
-def ranges_from_points(num_blocks: int, num_stages: int, points: tuple[int, ...]) -> list[range]:
-    """Stages starting at the given block indices (``PipelineOptions.split_points``)."""
+def ranges_from_points(num_blocks: int, num_stages: int, points: tuple[int, ...], *,
+                       kind: str = "block") -> list[range]:
+    """Stages starting at the given ``kind`` indices (``PipelineOptions.split_points``)."""
     if len(points) != num_stages - 1 or points[-1] >= num_blocks:
-        raise ValueError(f"split_points={tuple(points)} must give {num_stages - 1} block "
+        raise ValueError(f"split_points={tuple(points)} must give {num_stages - 1} {kind} "
                          f"indices below {num_blocks} for {num_stages} stages")
     bounds = [0, *points, num_blocks]
     return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
@@ -97,22 +99,17 @@ def parameter_costs(model: nn.Module, layout: PipelineLayout) -> list[float]:
     return costs
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_part(module: nn.Module, args: tuple, device: torch.device, repeats: int) -> float:
     """Fastest of ``repeats`` forward + backward passes of ``module`` on ``args``."""
     inputs = tuple(a.detach().requires_grad_(a.is_floating_point())
                    if isinstance(a, torch.Tensor) else a for a in args)
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass warms up allocator and kernels
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         out = module(*inputs)
         out.float().sum().backward()
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -122,8 +119,9 @@ def measure_costs(model: nn.Module, layout: PipelineLayout, device: torch.device
     """Seconds of forward + backward per block on ``layout.sample_input``.
 
     Each part is run alone on the input it receives inside the full model (captured
-    with pre-forward hooks). Gradients are discarded and the RNG state restored, so
-    measuring leaves training exactly as if it had not happened.
+    with pre-forward hooks). Gradients are discarded and the RNG state and buffers
+    (e.g. BatchNorm statistics) restored, so measuring leaves training exactly as if it
+    had not happened.
     """
     blocks = list(getattr(model, layout.blocks))
     parts = [getattr(model, name) for name in layout.before] + blocks + \
@@ -132,6 +130,7 @@ def measure_costs(model: nn.Module, layout: PipelineLayout, device: torch.device
     hooks = [part.register_forward_pre_hook(
         lambda module, args, i=i: captured.setdefault(i, args)) for i, part in enumerate(parts)]
     devices = [device] if device.type == "cuda" else []
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     try:
         with torch.random.fork_rng(devices=devices):
             with torch.no_grad():
@@ -143,6 +142,9 @@ def measure_costs(model: nn.Module, layout: PipelineLayout, device: torch.device
             hook.remove()
         for param in model.parameters():
             param.grad = None
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
     before, after = len(layout.before), len(layout.after)
     costs = seconds[before:len(seconds) - after]
     costs[0] += sum(seconds[:before])
@@ -173,8 +175,9 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int, st
                 agree: Any) -> nn.Module:
     """This stage of ``model``: blocks split at ``split_points`` or by measured compute.
 
-    ``agree(costs) -> costs`` makes every rank use the same costs (timings differ
-    per process); the split must be identical everywhere.
+    ``agree(measure, count) -> costs`` makes every rank use the same ``count`` costs:
+    timings differ per process, so one process runs ``measure()`` and shares the result
+    (the split must be identical everywhere).
     """
     num_blocks = len(getattr(model, layout.blocks))
     if not 1 <= num_stages <= num_blocks:
@@ -183,7 +186,9 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int, st
     if split_points is not None:
         stages = ranges_from_points(num_blocks, num_stages, split_points)
     else:
-        costs = (measure_costs(model, layout, device) if layout.sample_input is not None
-                 else parameter_costs(model, layout))
-        stages = block_ranges(agree(costs), num_stages)
+        if layout.sample_input is not None:
+            costs = agree(lambda: measure_costs(model, layout, device), num_blocks)
+        else:
+            costs = parameter_costs(model, layout)  # the same in every process
+        stages = block_ranges(costs, num_stages)
     return cut_stage(model, layout, stages, stage_index)

@@ -8,7 +8,7 @@ activations are alive). Stages idle while the pipeline fills and drains: the
 bubble is ``(p - 1) / (m + p - 1)`` of the step for ``p`` stages and ``m``
 micro-batches.
 
-The user's loop does not change: see :mod:`.pipeline_deferred` for how
+The user's loop does not change: see :mod:`.deferred` for how
 ``loss = F.cross_entropy(model(x), y); run.backward(loss)`` becomes one
 schedule step. ``nn.Sequential`` models are split automatically (balanced by
 parameter count) or at ``split_points``; models with an embedding, a ``ModuleList``
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,11 +39,15 @@ from paratrain.checkpoint.sharded import (
 )
 from paratrain.compile import CompileOptions, compile_forward
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
-from paratrain.distributed.partition import balanced_split
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import Compiles, PrecisionPolicy, ShardedState
-from paratrain.strategies.pipeline.layout import layout_of, split_model
+from paratrain.strategies.pipeline.layout import (
+    block_ranges,
+    layout_of,
+    ranges_from_points,
+    split_model,
+)
 from paratrain.strategies.pipeline.module import PipelineModule
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -87,18 +91,11 @@ def stage_layers(model: nn.Sequential, num_stages: int, stage_index: int,
     """This stage's children of ``model``, keeping their names (so checkpoints use full FQNs)."""
     children = list(model.named_children())
     if split_points is None:
-        starts = balanced_split([sum(p.numel() for p in c.parameters()) for _, c in children],
-                                num_stages)
+        stages = block_ranges([sum(p.numel() for p in c.parameters()) for _, c in children],
+                              num_stages)
     else:
-        starts = list(split_points)
-        if len(starts) != num_stages - 1 or starts[-1] >= len(children):
-            raise ValueError(
-                f"split_points={tuple(split_points)} must give {num_stages - 1} start indices "
-                f"below {len(children)} for {num_stages} stages"
-            )
-    bounds = [0, *starts, len(children)]
-    lo, hi = bounds[stage_index], bounds[stage_index + 1]
-    return nn.Sequential(OrderedDict(children[lo:hi]))
+        stages = ranges_from_points(len(children), num_stages, tuple(split_points), kind="start")
+    return nn.Sequential(OrderedDict(children[i] for i in stages[stage_index]))
 
 
 class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
@@ -192,9 +189,13 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
                            split_points=self.options.split_points, device=self.topology.device,
                            agree=self._agree)
 
-    def _agree(self, costs: list[float]) -> list[float]:
-        # Timings differ per process; rank 0's decide the split for every pipeline.
-        tensor = torch.tensor(costs, dtype=torch.float64, device=self.topology.device)
+    def _agree(self, measure: Callable[[], list[float]], count: int) -> list[float]:
+        # Timings differ per process: rank 0 measures and decides the split for every
+        # pipeline; the others only receive it.
+        if self.topology.rank == 0:
+            tensor = torch.tensor(measure(), dtype=torch.float64, device=self.topology.device)
+        else:
+            tensor = torch.zeros(count, dtype=torch.float64, device=self.topology.device)
         dist.broadcast(tensor, src=0)
         return tensor.tolist()
 
@@ -287,3 +288,8 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
         for grad in grads:
             grad.mul_(coef.to(grad.dtype))
         return norm
+
+    def teardown(self) -> None:
+        # The stage's parameters must not outlive the process group (its schedule holds it).
+        self._names.clear()
+        self._params.clear()

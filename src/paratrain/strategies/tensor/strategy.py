@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,16 +103,22 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,
 
 
 def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """The L2 norm of all gradients, whole, whatever mesh each DTensor gradient lies on."""
-    squares = []
+    """The L2 norm of all gradients, whole, whatever mesh each DTensor gradient lies on.
+
+    Gradients are grouped by mesh and placement so that each group's norm is reduced once
+    (DTensor reduces a sharded norm over its mesh), not once per parameter.
+    """
+    groups: dict[Any, list[torch.Tensor]] = {}
     for p in parameters:
-        if p.grad is None:
-            continue
-        norm = torch.linalg.vector_norm(p.grad)
-        # A sharded gradient's norm is reduced over its mesh by DTensor itself.
-        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2)
-    if not squares:
+        if p.grad is not None:
+            key = (getattr(p.grad, "device_mesh", None), getattr(p.grad, "placements", None))
+            groups.setdefault(key, []).append(p.grad)
+    if not groups:
         return torch.zeros(())
+    squares = []
+    for grads in groups.values():
+        norm = nn.utils.get_total_norm(grads)
+        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2)
     return torch.stack(squares).sum().sqrt()
 
 
@@ -165,14 +171,19 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
         plan = resolve_plan(model, self.options.plan)  # a bad plan fails in every process
         if self.active:
             apply_tp(model, self.mesh.submesh("tensor"), plan)
-            if self.data_parallel_size > 1:
-                from torch.distributed.fsdp import MixedPrecisionPolicy
-
-                apply_fsdp(model, self.mesh.submesh("shard"),
-                           reshard_after_forward=getattr(self.options, "reshard_after_forward", True),
-                           mp_policy=self._mp_policy or MixedPrecisionPolicy())
+            self._shard_data_parallel(model)
         self._remember(model, names)
         return model
+
+    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        if self.data_parallel_size == 1:
+            # Every rank reads the same batches: they run the same forwards already.
+            yield from ((batch, True) for batch in batches)
+            return
+        yield from super().evaluation_batches(batches)
+
+    def _shard_data_parallel(self, model: nn.Module) -> None:
+        """After tensor parallel: nothing for ``tp`` (one data-parallel rank)."""
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         if self.data_parallel_size == 1:
@@ -183,9 +194,8 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
         total = global_grad_norm(params)
-        # One host sync per clipped step: the gradients lie on different meshes (or are
-        # plain tensors), so no single tensor coefficient can scale them all.
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0).item()
+        # A plain 0-dim tensor scales DTensor and plain gradients alike: no host sync.
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:
             p.grad.mul_(coefficient)
         return total
@@ -204,6 +214,13 @@ class FSDPTPStrategy(TPStrategy):
         return ParallelDegrees.infer(world_size=topology.world_size, pipeline_degree=1,
                                      replicate_degree=1, shard_degree=None,
                                      tensor_degree=self.options.tensor_degree)
+
+    def _shard_data_parallel(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        apply_fsdp(model, self.mesh.submesh("shard"),
+                   reshard_after_forward=self.options.reshard_after_forward,
+                   mp_policy=self._mp_policy or MixedPrecisionPolicy())
 
     def notice(self) -> str | None:
         if not self.active:

@@ -19,7 +19,6 @@ import inspect
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -66,7 +65,7 @@ class Zero1Strategy(DDPStrategy):
             return optimizer.state_dict()
         # Collective: every rank sends its shard's state to rank 0, which writes the file.
         optimizer.consolidate_state_dict(to=0)
-        return optimizer.state_dict() if dist.get_rank() == 0 else {}
+        return optimizer.state_dict() if self.topology.rank == 0 else {}
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
