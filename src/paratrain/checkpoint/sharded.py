@@ -146,7 +146,7 @@ def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
 
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"sharded checkpoint directory {directory} is missing")
-    readable = [_whole_optimizer(modules[0], optimizer) for optimizer in optimizers]
+    readable = [_whole_optimizer(optimizer) for optimizer in optimizers]
     state = _state(modules, readable, flat=flat)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(directory))
@@ -160,8 +160,7 @@ def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
             optimizer.load_state_dict(whole.state_dict())  # keeps this rank's shard
 
 
-def _whole_optimizer(module: nn.Module,
-                     optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def _whole_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """``optimizer``, or for a ``ZeroRedundancyOptimizer`` (``zero1``), whose state DCP
     cannot address, a plain optimizer of its class and groups to read the whole state
     into (transiently: the sharded optimizer then keeps its part)."""

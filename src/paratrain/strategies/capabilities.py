@@ -186,8 +186,3 @@ def contract_members(cls: type) -> set[str]:
     return {name for owner in owners for name in vars(owner)
             if not name.startswith("_") and name not in Strategy.CONFIGURATION}
 
-
-def capabilities_of(strategy: Any) -> tuple[type, ...]:
-    """The capabilities ``strategy`` (instance or class) declares."""
-    cls = strategy if isinstance(strategy, type) else type(strategy)
-    return tuple(c for c in CAPABILITIES if issubclass(cls, c))
