@@ -58,13 +58,19 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
     if not any(group["params"] for group in groups):
         raise ValueError("this rank holds no trainable parameters; move split points so "
                          "every stage has parameters")
-    cls = type(optimizer)
-    # defaults may hold derived keys the constructor does not take (AdamW's
-    # decoupled_weight_decay): pass what it accepts, then copy them all.
-    accepted = inspect.signature(cls.__init__).parameters
-    rebuilt = cls(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
-    rebuilt.defaults = dict(optimizer.defaults)
+    rebuilt = type(optimizer)(groups, **constructor_defaults(optimizer))
+    rebuilt.defaults = dict(optimizer.defaults)  # derived keys too (see constructor_defaults)
     return rebuilt
+
+
+def constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.defaults`` as keyword arguments to build another of its class.
+
+    The defaults may hold derived keys the constructor does not take (AdamW's
+    ``decoupled_weight_decay``): only those its signature accepts are kept.
+    """
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
 
 
 # -- checkpoints through torch.distributed.checkpoint ------------------------------
@@ -168,7 +174,8 @@ def _whole_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
-    return type(optimizer.optim)([dict(group) for group in optimizer.param_groups])
+    return type(optimizer.optim)([dict(group) for group in optimizer.param_groups],
+                                 **constructor_defaults(optimizer.optim))
 
 
 def saved_shapes(directory: str | os.PathLike, index: int) -> dict[str, tuple[int, ...]]:

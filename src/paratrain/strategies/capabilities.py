@@ -132,13 +132,20 @@ class ReportsMetrics(ABC):
         """Values added to the epoch's metrics (rank 0 logs them)."""
 
 
-class Compiles(ABC):
+# Declared by inheriting, like the others, though nothing in it is left abstract.
+class Compiles(ABC):  # noqa: B024
     """The strategy applies ``torch.compile`` in ``setup_model`` where its wrapping needs
-    it: after activation checkpointing, inside DDP, per block before FSDP."""
+    it: after activation checkpointing, inside DDP, per block before FSDP.
 
-    @abstractmethod
+    :meth:`configure_compile` stores the options in ``_compile`` for ``setup_model``;
+    a strategy that refuses some settings checks them first, then calls it.
+    """
+
+    _compile: CompileOptions | None = None
+
     def configure_compile(self, options: CompileOptions) -> None:
         """Compile with ``options`` in the next ``setup_model``; called once before it."""
+        self._compile = options
 
     def cuda_graphs_blocker(self) -> str | None:
         """Why this strategy's compiled steps cannot be CUDA graphs, or None."""

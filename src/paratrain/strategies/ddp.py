@@ -62,7 +62,6 @@ class DDPStrategy(Strategy, Compiles):
     def __init__(self, topology, options=None, *, timeout_s: float = 300.0) -> None:
         super().__init__(topology, options, timeout_s=timeout_s)
         self._wrapped: list[DistributedDataParallel] = []
-        self._compile: CompileOptions | None = None
 
     def configure_compile(self, options: CompileOptions) -> None:
         if self.options.bucket_cap_mb < 1:
@@ -70,7 +69,7 @@ class DDPStrategy(Strategy, Compiles):
             # buckets after it.
             raise ValueError(f"compile with strategy 'ddp' needs bucket_cap_mb >= 1, got "
                              f"{self.options.bucket_cap_mb:g}; raise it or use compile=False")
-        self._compile = options
+        super().configure_compile(options)
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.topology.device)

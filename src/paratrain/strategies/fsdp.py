@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.sharded import parameter_names
-from paratrain.compile import CompileOptions, compile_forward
+from paratrain.compile import compile_forward
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
@@ -122,7 +122,6 @@ class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation
         self.mesh = ParallelMesh(degrees, topology)
         self.active = topology.is_distributed
         self._mp_policy = None
-        self._compile: CompileOptions | None = None
         self._names: dict[int, str] = {}
         self._params: dict[str, nn.Parameter] = {}
 
@@ -134,9 +133,6 @@ class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation
     def configure_precision(self, precision: Any) -> None:
         self._mp_policy = mixed_precision_policy(precision,
                                                  refuse_fp16="with sharded gradients")
-
-    def configure_compile(self, options: CompileOptions) -> None:
-        self._compile = options
 
     def cuda_graphs_blocker(self) -> str | None:
         return "FSDP's all-gathers and frees run between the graphs" if self.active else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paratrain.compile import CompileOptions, compile_forward
+from paratrain.compile import compile_forward
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import Compiles
 
@@ -13,11 +13,6 @@ class SingleDevice(Strategy, Compiles):
     """Train on one device. The reference every other strategy must match."""
 
     name = "single"
-
-    _compile: CompileOptions | None = None
-
-    def configure_compile(self, options: CompileOptions) -> None:
-        self._compile = options
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = super().setup_model(model)

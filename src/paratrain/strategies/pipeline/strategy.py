@@ -123,7 +123,6 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
         self._names: dict[int, str] = {}
         self._params: dict[str, nn.Parameter] = {}
         self._sync_disabled = False
-        self._compile: CompileOptions | None = None
 
     def notice(self) -> str | None:
         if self.active:
@@ -173,7 +172,7 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
             # Not verified with the pipelining schedules: refused rather than risk a hang.
             raise ValueError("compile with strategy 'pipeline' on several stages is not "
                              "supported yet; use compile=False")
-        self._compile = options
+        super().configure_compile(options)
 
     def _stage(self, model: nn.Module, stages: int) -> nn.Module:
         if isinstance(model, nn.Sequential):

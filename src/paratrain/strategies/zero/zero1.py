@@ -15,13 +15,13 @@ resume each other's checkpoints.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from paratrain.checkpoint.sharded import constructor_defaults
 from paratrain.strategies.ddp import DDPOptions, DDPStrategy
 
 
@@ -37,13 +37,9 @@ def shard_optimizer(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer
         raise ValueError("strategy 'zero1' shards the optimizer state at run.prepare(); "
                          "pass an optimizer that has not stepped yet and load state with "
                          "run.load()")
-    cls = type(optimizer)
-    # defaults may hold derived keys the constructor does not take (AdamW's
-    # decoupled_weight_decay): pass only what it accepts.
-    accepted = inspect.signature(cls.__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, **defaults)
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                   **constructor_defaults(optimizer))
 
 
 class Zero1Strategy(DDPStrategy):
