@@ -254,13 +254,18 @@ def test_activation_checkpointing_trades_memory_for_compute():
 
 
 def test_recommendation_fits_memory_when_ddp_does_not():
-    # 16 GB of model state, 8 GB devices: only fsdp, pipeline and mp (4 GB) fit.
+    # 16 GB of model state, 8 GB devices: ddp and zero1 (4 + 4 + 8/4 GB) do not fit;
+    # zero2 (4 + 12/4 GB) does: it gathers nothing in backward (less traffic than fsdp),
+    # both hide their traffic here, and the simpler one wins the tie.
     pr = profile(num_parameters=1_000_000_000, num_layers=32, compute_time_per_sample=0.05)
     hw = hardware(device_memory_bytes=8 * 10**9, intra_node_bandwidth=100e9)
     report = plan(pr, hw, batch_size_per_device=4)
-    assert report.prediction("ddp").fits is False
+    assert report.prediction("ddp").fits is False and report.prediction("zero1").fits is False
     assert report.prediction("ddp").samples_per_second > report.prediction("fsdp").samples_per_second
-    assert report.recommendation == "fsdp"
+    assert report.recommendation == "zero2"
+    zero2, fsdp = report.prediction("zero2"), report.prediction("fsdp")
+    assert zero2.comm_time < fsdp.comm_time and zero2.traffic_bytes < fsdp.traffic_bytes
+    assert zero2.samples_per_second >= fsdp.samples_per_second
     assert report.prediction("fsdp").fits is True
     assert "fits in 8 GB" in report.reason and "faster ddp would not fit" in report.reason
 

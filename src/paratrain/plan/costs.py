@@ -97,45 +97,45 @@ def _ddp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
                 exposed=exposed, traffic=allreduce_bytes(pr.grad_size, hw))
 
 
-def _zero(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions, *, stage: int) -> Cost:
-    # Gradients leave in buckets while backward runs, as under DDP (all-reduced for
-    # ZeRO-1, reduce-scattered for ZeRO-2); only the last bucket cannot hide. Each rank
-    # then updates its 1/N and the new parameters are all-gathered, with nothing to
-    # hide behind.
+def _zero1(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # Gradients are all-reduced in buckets while backward runs, as under DDP; only the
+    # last bucket cannot hide. Each rank then updates its 1/N and the new parameters are
+    # all-gathered, with nothing to hide behind.
     w = hw.world_size
-    op = allreduce_time if stage == 1 else reduce_scatter_time
     buckets = ddp_buckets(pr.grad_size, pr.num_layers, o.bucket_bytes)
-    comm = sum(op(x, hw) for x in buckets)
+    comm = sum(allreduce_time(x, hw) for x in buckets)
     exposed = exposed_comm_time(comm, b * pr.backward_time_per_sample, overlap=o.overlap,
-                                tail=op(buckets[-1], hw))
-    traffic = allreduce_bytes(pr.grad_size, hw) if stage == 1 else allgather_bytes(pr.grad_size, hw)
+                                tail=allreduce_time(buckets[-1], hw))
     ag = allgather_time(pr.param_size, hw)
     return Cost(devices=w, batch=w * b, compute=b * pr.step_compute_time_per_sample,
                 comm=comm + ag, exposed=exposed + ag,
-                traffic=traffic + allgather_bytes(pr.param_size, hw), optimizer_divisor=w)
-
-
-def _zero1(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
-    return _zero(pr, hw, b, o, stage=1)
+                traffic=allreduce_bytes(pr.grad_size, hw) + allgather_bytes(pr.param_size, hw),
+                optimizer_divisor=w)
 
 
 def _zero2(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
-    return _zero(pr, hw, b, o, stage=2)
+    # The runtime's zero2 is fsdp with reshard_after_forward=False: a unit's parameters
+    # stay whole from its forward to its backward, so backward gathers nothing.
+    return _fsdp(pr, hw, b, o, regather=False)
 
 
-def _fsdp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+def _fsdp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions, *,
+          regather: bool = True) -> Cost:
     # One unit per layer. Forward all-gathers hide behind forward except the first; backward
-    # all-gathers + reduce-scatters hide behind backward except the last reduce-scatter.
+    # all-gathers (when forward resharded, ``regather``) + reduce-scatters hide behind
+    # backward except the last reduce-scatter.
     w, layers = hw.world_size, pr.num_layers
     ag = allgather_time(pr.param_size / layers, hw)
     rs = reduce_scatter_time(pr.grad_size / layers, hw)
+    gathers = 2 if regather else 1
     exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample, overlap=o.overlap,
                               tail=ag)
-    exp_b = exposed_comm_time(layers * (ag + rs), b * pr.backward_time_per_sample,
-                              overlap=o.overlap, tail=rs)
+    exp_b = exposed_comm_time(layers * ((ag if regather else 0.0) + rs),
+                              b * pr.backward_time_per_sample, overlap=o.overlap, tail=rs)
     return Cost(devices=w, batch=w * b, compute=b * pr.step_compute_time_per_sample,
-                comm=layers * (2 * ag + rs), exposed=exp_f + exp_b,
-                traffic=2 * allgather_bytes(pr.param_size, hw) + allgather_bytes(pr.grad_size, hw),
+                comm=layers * (gathers * ag + rs), exposed=exp_f + exp_b,
+                traffic=gathers * allgather_bytes(pr.param_size, hw)
+                + allgather_bytes(pr.grad_size, hw),
                 optimizer_divisor=w)
 
 
