@@ -63,8 +63,8 @@ def test_degrees_are_inferred_and_validated_once():
     assert (dp_pp.replicate_degree, dp_pp.shard_degree) == (2, 1)
     with pytest.raises(ValueError, match="pipeline_degree=3 does not divide the world size 8"):
         HybridOptions(pipeline_degree=3).degrees(topology)
-    with pytest.raises(ValueError, match="sharding inside a pipeline is not supported"):
-        HybridOptions(pipeline_degree=2, shard_degree=2)
+    with pytest.raises(ValueError, match="pipeline options need pipeline_degree > 1"):
+        HybridOptions(pipeline={"schedule": "gpipe"})
 
 
 @pytest.mark.slow

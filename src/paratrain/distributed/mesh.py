@@ -168,6 +168,21 @@ class ParallelMesh:
         return init_device_mesh(self.topology.device.type, self.degrees.shape,
                                 mesh_dim_names=AXES)
 
+    @cached_property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        """The ranks that read different data (``replicate x shard``) and share this rank's
+        pipeline and tensor coordinates. A collective call the first time: every rank
+        asks at the same point."""
+        d = self.degrees
+        if d.replicate_degree == 1 or d.shard_degree == 1:
+            return self.group("replicate" if d.shard_degree == 1 else "shard")
+        # Two data axes: one group per (pipeline, tensor) pair over both of them.
+        groups = [[self.global_rank(pipeline=p, tensor=t, replicate=r, shard=s)
+                   for r in range(d.replicate_degree) for s in range(d.shard_degree)]
+                  for p in range(d.pipeline_degree) for t in range(d.tensor_degree)]
+        mine, _ = dist.new_subgroups_by_enumeration(groups)
+        return mine
+
     def submesh(self, *axes: str):
         """The mesh restricted to ``axes`` (e.g. ``("replicate", "shard")`` for HSDP)."""
         return self.device_mesh[axes if len(axes) > 1 else axes[0]]

@@ -1,10 +1,12 @@
-"""``hybrid``: a 2-D layout on a :class:`~paratrain.distributed.mesh.ParallelMesh`.
+"""``hybrid``: 2-D and 3-D layouts on one :class:`~paratrain.distributed.mesh.ParallelMesh`.
 
-Two combinations are supported, chosen by the degrees:
+The degrees choose the layout (outermost axis first, see the mesh):
 
-* data parallel x pipeline (``pipeline_degree > 1``): ``replicate_degree``
-  copies of a ``pipeline_degree``-stage pipeline; each stage's gradients are
-  averaged over its replicas. 4 ranks = 2 DP x 2 PP.
+* pipeline x data parallel (``pipeline_degree > 1``): ``replicate_degree`` x
+  ``shard_degree`` copies of a ``pipeline_degree``-stage pipeline. With
+  ``shard_degree > 1`` each stage is sharded with FSDP2 (pipeline x FSDP), with
+  ``tensor_degree > 1`` each stage's layers are also split by tensor parallel
+  (pipeline x FSDP x TP, torchtitan's 3-D layout). 8 ranks = 2 PP x 2 FSDP x 2 TP.
 * HSDP (``pipeline_degree == 1``): parameters sharded over ``shard_degree``
   ranks (by default the processes of one node) and replicated across nodes, so
   the all-gathers stay inside a node and only gradient all-reduces cross nodes.
@@ -35,6 +37,7 @@ from paratrain.strategies.capabilities import (
 from paratrain.strategies.compose import delegate
 from paratrain.strategies.fsdp import FSDPOptions, FSDPStrategy
 from paratrain.strategies.pipeline.strategy import PipelineOptions, PipelineStrategy
+from paratrain.strategies.tensor.strategy import TPOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,10 +45,15 @@ class HybridOptions:
     """Options of the ``hybrid`` strategy. Degrees left as None are inferred."""
 
     pipeline_degree: int = 1
-    """Pipeline stages; > 1 selects data parallel x pipeline."""
+    """Pipeline stages; > 1 selects a pipeline (x data parallel, x FSDP, x TP)."""
 
     shard_degree: int | None = None
-    """FSDP shard size (HSDP only); default: the processes per node."""
+    """FSDP shard size; default: the processes per node without a pipeline (HSDP),
+    1 with one."""
+
+    tensor_degree: int = 1
+    """Tensor-parallel ranks per stage (needs ``pipeline_degree > 1``; without a pipeline
+    use strategy ``fsdp_tp``)."""
 
     replicate_degree: int | None = None
     """Replicas; default: world size / (pipeline_degree x shard_degree)."""
@@ -56,17 +64,21 @@ class HybridOptions:
     fsdp: dict[str, Any] = field(default_factory=dict)
     """Options of the sharding (see ``FSDPOptions``), e.g. ``{"reshard_after_forward": False}``."""
 
+    tensor: dict[str, Any] = field(default_factory=dict)
+    """Options of tensor parallel (see ``TPOptions``), e.g. ``{"plan": {...}}``."""
+
     def __post_init__(self) -> None:
-        ParallelDegrees(pipeline_degree=self.pipeline_degree)  # the field's own message
-        if self.pipeline_degree > 1 and self.shard_degree not in (None, 1):
-            raise ValueError(
-                f"shard_degree={self.shard_degree} with pipeline_degree={self.pipeline_degree}: "
-                "sharding inside a pipeline is not supported; use shard_degree=1"
-            )
+        # Each field's own message first (type and range).
+        ParallelDegrees(pipeline_degree=self.pipeline_degree, tensor_degree=self.tensor_degree)
         if self.pipeline and self.pipeline_degree == 1:
             raise ValueError("pipeline options need pipeline_degree > 1")
-        if self.fsdp and self.pipeline_degree > 1:
-            raise ValueError("fsdp options apply only with pipeline_degree=1 (HSDP)")
+        if self.tensor_degree > 1 and self.pipeline_degree == 1:
+            raise ValueError(f"tensor_degree={self.tensor_degree} without a pipeline: use "
+                             "strategy 'fsdp_tp', or set pipeline_degree > 1")
+        if self.tensor and self.tensor_degree == 1:
+            raise ValueError("tensor options need tensor_degree > 1")
+        if self.fsdp and self.pipeline_degree > 1 and self.shard_degree in (None, 1):
+            raise ValueError("fsdp options inside a pipeline need shard_degree > 1")
 
     def degrees(self, topology: Topology) -> ParallelDegrees:
         """The validated layout for ``topology``."""
@@ -75,7 +87,8 @@ class HybridOptions:
             shard = 1 if self.pipeline_degree > 1 else topology.local_world_size
         return ParallelDegrees.infer(world_size=topology.world_size,
                                      pipeline_degree=self.pipeline_degree,
-                                     shard_degree=shard, replicate_degree=self.replicate_degree)
+                                     shard_degree=shard, replicate_degree=self.replicate_degree,
+                                     tensor_degree=self.tensor_degree)
 
 
 DELEGATED = (
@@ -95,11 +108,13 @@ DELEGATED = (
 )
 
 
-# Both inner strategies shard state and have a precision policy; FSDP alone evaluates
-# in lockstep, so hybrid's evaluation_batches asks its inner strategy.
+# Both inner strategies shard state and have a precision policy; whether evaluation
+# runs in lockstep depends on the layout, so hybrid's evaluation_batches asks its inner
+# strategy.
 @delegate("inner", DELEGATED)
 class HybridStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation, Compiles):
-    """Data parallel x pipeline, or sharded within a node x replicated across nodes."""
+    """Pipeline x data parallel (x FSDP, x TP), or sharded within a node x replicated
+    across nodes."""
 
     name = "hybrid"
     Options = HybridOptions
@@ -111,7 +126,9 @@ class HybridStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation
         inner: PipelineStrategy | FSDPStrategy
         if degrees.pipeline_degree > 1:
             inner = PipelineStrategy(topology, PipelineOptions(**self.options.pipeline),
-                                     timeout_s=timeout_s, degrees=degrees)
+                                     timeout_s=timeout_s, degrees=degrees,
+                                     fsdp=FSDPOptions(**self.options.fsdp),
+                                     tp=TPOptions(**self.options.tensor))
         else:
             inner = FSDPStrategy(topology, FSDPOptions(**self.options.fsdp),
                                  timeout_s=timeout_s, degrees=degrees)
@@ -120,7 +137,7 @@ class HybridStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation
     def notice(self) -> str | None:
         d = self.inner.mesh.degrees
         return (f"strategy 'hybrid': pipeline {d.pipeline_degree} x replicate "
-                f"{d.replicate_degree} x shard {d.shard_degree}")
+                f"{d.replicate_degree} x shard {d.shard_degree} x tensor {d.tensor_degree}")
 
     def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
         return evaluation_batches(self.inner, batches)

@@ -60,12 +60,16 @@ class PipelineModule(nn.Module):
         device: compute device.
         schedule: ``"gpipe"`` or ``"1f1b"``.
         num_microbatches: micro-batches per step (fewer when the batch does not divide).
+        sharded: the stage's forward communicates with other data-parallel ranks (FSDP),
+            so evaluation runs each batch as one micro-batch: their evaluation batches
+            can differ in size, and so would the number of micro-batches that divide them.
     """
 
     def __init__(self, stage_module: nn.Module, *, stage_index: int, num_stages: int,
                  group: dist.ProcessGroup, device: torch.device, schedule: str,
-                 num_microbatches: int) -> None:
+                 num_microbatches: int, sharded: bool = False) -> None:
         super().__init__()
+        self.sharded = sharded
         self.stage_module = stage_module
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -185,7 +189,7 @@ class PipelineModule(nn.Module):
     @torch.no_grad()
     def _forward_only(self, args: tuple, kwargs: dict) -> torch.Tensor:
         batch_size = self._batch_size(args)
-        m = microbatches_for(batch_size, self.num_microbatches)
+        m = 1 if self.sharded else microbatches_for(batch_size, self.num_microbatches)
         schedule = self._schedule(batch_size, m, train=False)
         output = schedule.step(**self._inputs(args, kwargs, batch_size, m))
         if self.num_stages == 1:

@@ -17,13 +17,19 @@ of blocks and a head describe themselves with a ``pipeline_layout()`` (see
 
 Every stage reads the same batches: the data-parallel size is the number of
 pipeline replicas (1 here, more under ``hybrid``), not the world size.
+
+Under ``hybrid`` a stage can also be split further (the 3-D layout), in torchtitan's
+order: tensor parallel over the mesh's ``tensor`` axis (``parallelize_module``), then
+FSDP2 over its data axes (``fully_shard``, HSDP when both ``replicate`` and ``shard``
+are > 1). The ``torch.distributed.pipelining`` stage drives a sharded stage itself:
+it delays FSDP's gradient reduction to the last micro-batch of a step.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +40,7 @@ from torch import nn
 from paratrain.checkpoint.sharded import (
     load_full_model_state,
     load_full_optimizer_state,
+    lockstep_batches,
     parameter_names,
     rebuild_optimizer,
 )
@@ -41,7 +48,14 @@ from paratrain.compile import CompileOptions, compile_forward
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
-from paratrain.strategies.capabilities import Compiles, PrecisionPolicy, ShardedState
+from paratrain.strategies.capabilities import (
+    Compiles,
+    LockstepEvaluation,
+    PrecisionPolicy,
+    ShardedState,
+)
+from paratrain.strategies.dtensor_params import mixed_precision_policy, shard_units
+from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
 from paratrain.strategies.pipeline.layout import (
     block_ranges,
     layout_of,
@@ -49,6 +63,8 @@ from paratrain.strategies.pipeline.layout import (
     split_model,
 )
 from paratrain.strategies.pipeline.module import PipelineModule
+from paratrain.strategies.tensor.plan import resolve_plan
+from paratrain.strategies.tensor.strategy import TPOptions, apply_tp, global_grad_norm
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -98,7 +114,7 @@ def stage_layers(model: nn.Sequential, num_stages: int, stage_index: int,
     return nn.Sequential(OrderedDict(children[i] for i in stages[stage_index]))
 
 
-class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
+class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation, Compiles):
     """Split the model into stages over the ranks; micro-batches flow through them.
 
     Args:
@@ -106,20 +122,32 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
         options: :class:`PipelineOptions`.
         degrees: the layout; by default one pipeline over all ranks. With
             ``replicate_degree > 1`` each stage's gradients are also averaged over
-            the replicas (data parallel x pipeline).
+            the replicas (data parallel x pipeline); with ``shard_degree > 1`` each
+            stage is sharded with FSDP2, with ``tensor_degree > 1`` split by tensor
+            parallel.
+        fsdp: how a sharded stage is wrapped (``shard_degree > 1``).
+        tp: the tensor-parallel plan (``tensor_degree > 1``).
     """
 
     name = "pipeline"
     Options = PipelineOptions
 
     def __init__(self, topology: Topology, options: Any = None, *, timeout_s: float = 300.0,
-                 degrees: ParallelDegrees | None = None) -> None:
+                 degrees: ParallelDegrees | None = None, fsdp: FSDPOptions | None = None,
+                 tp: TPOptions | None = None) -> None:
         super().__init__(topology, options, timeout_s=timeout_s)
         degrees = degrees or ParallelDegrees(pipeline_degree=topology.world_size)
-        if degrees.shard_degree != 1:
-            raise ValueError(f"shard_degree must be 1 with a pipeline, got {degrees.shard_degree}")
+        self.fsdp_options = fsdp or FSDPOptions()
+        self.tp_options = tp or TPOptions()
+        if self.fsdp_options.offload:
+            raise ValueError("fsdp offload inside a pipeline is not supported; "
+                             "use offload=False")
         self.mesh = ParallelMesh(degrees, topology)
         self.active = degrees.pipeline_degree > 1
+        # Parameters become DTensors: gradients and norms go through DTensor collectives.
+        self.dtensor_stages = self.active and (degrees.shard_degree > 1
+                                               or degrees.tensor_degree > 1)
+        self._mp_policy: Any = None
         self._names: dict[int, str] = {}
         self._params: dict[str, nn.Parameter] = {}
         self._sync_disabled = False
@@ -134,21 +162,23 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
             # Each stage would check only its own gradients for inf and could skip alone.
             raise ValueError("precision '16-mixed' is not supported with a pipeline; "
                              "use 'bf16-mixed'")
+        if self.dtensor_stages:
+            self._mp_policy = mixed_precision_policy(precision, refuse_fp16="with a pipeline")
 
     # -- layout ---------------------------------------------------------------------
     @property
     def data_parallel_rank(self) -> int:
-        return self.mesh.coords["replicate"]
+        return self.mesh.data_parallel_rank
 
     @property
     def data_parallel_size(self) -> int:
-        return self.mesh.degrees.replicate_degree
+        return self.mesh.degrees.data_parallel_degree
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        if self.mesh.degrees.replicate_degree == 1 or not self.active:
+        if self.data_parallel_size == 1 or not self.active:
             return None
-        return self.mesh.group("replicate")
+        return self.mesh.data_parallel_group
 
     # -- model ------------------------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -157,15 +187,33 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
         if self.active:
             stages = self.mesh.degrees.pipeline_degree
             stage = self._stage(model, stages)
+            self._split_stage(stage)
+            if self.data_parallel_size > 1:
+                self.mesh.data_parallel_group  # noqa: B018  (collective: built now, by all)
             model = PipelineModule(stage, stage_index=self.mesh.pipeline_rank, num_stages=stages,
                                    group=self.mesh.group("pipeline"), device=self.topology.device,
                                    schedule=self.options.schedule,
-                                   num_microbatches=self.options.num_microbatches)
+                                   num_microbatches=self.options.num_microbatches,
+                                   sharded=self.mesh.degrees.shard_degree > 1)
         elif self._compile is not None:
             compile_forward(model, self._compile)
         self._names.update(names)
         self._params.update(dict(self.checkpoint_module(model).named_parameters()))
         return model
+
+    def _split_stage(self, stage: nn.Module) -> None:
+        """Tensor parallel, then FSDP, over this stage (torchtitan's order)."""
+        d = self.mesh.degrees
+        if d.tensor_degree > 1:
+            apply_tp(stage, self.mesh.submesh("tensor"), resolve_plan(stage, self.tp_options.plan))
+        if d.shard_degree > 1:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            data_axes = ("replicate", "shard") if d.replicate_degree > 1 else ("shard",)
+            shard_units(stage, wrap_predicate(self.fsdp_options.wrap_policy, stage),
+                        mesh=self.mesh.submesh(*data_axes),
+                        reshard_after_forward=self.fsdp_options.reshard_after_forward,
+                        mp_policy=self._mp_policy or MixedPrecisionPolicy())
 
     def configure_compile(self, options: CompileOptions) -> None:
         if self.active:
@@ -216,7 +264,17 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Every stage's state, in stage order, on every rank (collective over the pipeline)."""
-        local = {k: v.detach().clone() for k, v in self.checkpoint_module(model).state_dict().items()}
+        module = self.checkpoint_module(model)
+        if self.dtensor_stages:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            # Collective over the stage's mesh: each DTensor gathered whole.
+            local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        else:
+            local = {k: v.detach().clone() for k, v in module.state_dict().items()}
         if not self.active:
             return local
         # Pickled through CPU: a stage's tensors must not name another rank's device.
@@ -251,9 +309,10 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
         return root.context.module
 
     def _average_gradients(self, module: PipelineModule) -> None:
-        if self.data_parallel_size == 1:
-            return
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if self.data_parallel_size == 1 or self.mesh.degrees.shard_degree > 1:
+            return  # one replica, or FSDP reduced them already (the stage ran its hooks)
+        # A tensor-parallel gradient's local piece matches its replicas' (same tensor rank).
+        grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.data_parallel_group)
         flat /= self.data_parallel_size
@@ -274,7 +333,17 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
         finally:
             self._sync_disabled = False
 
+    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+        if self.active and self.mesh.degrees.shard_degree > 1:
+            # A sharded stage's forward all-gathers across its data-parallel ranks.
+            yield from lockstep_batches(batches, device=self.topology.device)
+            return
+        # The stages of one pipeline read the same batches; replicas never talk in forward.
+        yield from ((batch, True) for batch in batches)
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        if self.dtensor_stages:
+            return self._clip_dtensor_grads(model, max_norm)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float64, device=self.topology.device)
         for grad in grads:
@@ -288,7 +357,24 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, Compiles):
             grad.mul_(coef.to(grad.dtype))
         return norm
 
+    def _clip_dtensor_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        # This stage's norm (DTensor reductions over the stage's mesh), then every stage's.
+        squares = global_grad_norm(params).to(self.topology.device, torch.float64) ** 2
+        dist.all_reduce(squares, group=self.mesh.group("pipeline"))
+        norm = squares.sqrt().float()
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coefficient)
+        return norm
+
     def teardown(self) -> None:
         # The stage's parameters must not outlive the process group (its schedule holds it).
         self._names.clear()
         self._params.clear()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece (a view that writes through), or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor

@@ -1,0 +1,148 @@
+"""``hybrid``'s layouts with a pipeline inside: pipeline x FSDP, pipeline x TP and the
+3-D pipeline x FSDP x TP, on gloo ranks against one process training the same GPT."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.distributed.spawn import spawn
+from paratrain.distributed.topology import Topology
+from paratrain.models import GPT
+from paratrain.strategies.capabilities import ShardedState
+from paratrain.strategies.hybrid import HybridOptions
+
+VOCAB, BLOCK, STEPS, GLOBAL_BATCH = 16, 8, 3, 8
+
+
+def gpt():
+    return GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=4, n_head=4, n_embd=16)
+
+
+def tokens(n=48):
+    generator = torch.Generator().manual_seed(7)
+    data = torch.randint(VOCAB, (n, BLOCK + 1), generator=generator)
+    return TensorDataset(data[:, :-1], data[:, 1:])
+
+
+def train(strategy, options, checkpoint_dir=None):
+    run = paratrain.Run(strategy=strategy, strategy_options=options, progress=False,
+                        accelerator="cpu", seed=5, max_grad_norm=0.5)
+    torch.manual_seed(0)
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = run.prepare(model, optimizer)
+    strategy = run.strategy
+    loader = run.loader(tokens(), batch_size=GLOBAL_BATCH // strategy.data_parallel_size)
+    losses = []
+    for _, (x, y) in zip(range(STEPS), loader):
+        # (B, vocab, T) logits: the pipeline splits the targets (B, T) with the batch.
+        loss = F.cross_entropy(model(x).transpose(1, 2), y)
+        run.backward(loss)
+        run.step(optimizer)
+        losses.append(run.mean(loss))
+    # 13 held-out sequences: the data-parallel ranks get unequal shares, so a sharded
+    # stage's evaluation must pad in lockstep.
+    evaluation = run.evaluate(model, run.eval_loader(tokens(13), batch_size=4),
+                              loss_fn=lambda out, y: F.cross_entropy(out.transpose(1, 2), y,
+                                                                     reduction="sum"))
+    saved = run.save(checkpoint_dir) if checkpoint_dir else None
+    state = (strategy.full_state_dict(model) if isinstance(strategy, ShardedState)
+             else model.state_dict())
+    # Which mesh axes the local parameters are DTensors over (none for one process).
+    meshes = {tuple(p.device_mesh.mesh_dim_names) for p in model.parameters()
+              if hasattr(p, "device_mesh")}
+    result = {"losses": losses, "meshes": meshes, "evaluation": evaluation, "params": {k: v.detach().clone() for k, v in state.items()},
+              "saved": saved, "data_parallel": (strategy.data_parallel_size,
+                                                strategy.data_parallel_rank)}
+    run.close()
+    return result
+
+
+def worker(rank, world_size, options, checkpoint_dir=None):
+    return train("hybrid", options, checkpoint_dir)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train("single", {})
+
+
+def assert_matches(result, reference):
+    assert result["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+    assert result["evaluation"]["count"] == reference["evaluation"]["count"] == 13 * BLOCK
+    assert result["evaluation"]["loss"] == pytest.approx(reference["evaluation"]["loss"],
+                                                         abs=1e-5)
+    assert result["params"].keys() == reference["params"].keys()
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=1e-5)
+
+
+def test_three_axes_are_inferred_and_checked_once():
+    topology = Topology(rank=0, world_size=8, local_world_size=8, num_nodes=1)
+    degrees = HybridOptions(pipeline_degree=2, shard_degree=2, tensor_degree=2).degrees(topology)
+    assert degrees.shape == (2, 1, 2, 2) and degrees.data_parallel_degree == 2
+    assert HybridOptions(pipeline_degree=2, tensor_degree=2).degrees(topology).shape == (2, 2, 1, 2)
+    with pytest.raises(ValueError, match="tensor_degree=2 without a pipeline: use strategy "
+                                         "'fsdp_tp'"):
+        HybridOptions(tensor_degree=2)
+    with pytest.raises(ValueError, match="tensor_degree must be an integer >= 1, got 0"):
+        HybridOptions(pipeline_degree=2, tensor_degree=0)
+    with pytest.raises(ValueError, match="fsdp options inside a pipeline need shard_degree > 1"):
+        HybridOptions(pipeline_degree=2, fsdp={"reshard_after_forward": False})
+    with pytest.raises(ValueError, match="tensor_degree=3 does not divide the world size 8"):
+        HybridOptions(pipeline_degree=2, tensor_degree=3).degrees(topology)
+    with pytest.raises(ValueError, match="cannot be inferred"):
+        HybridOptions(pipeline_degree=2, shard_degree=2, tensor_degree=4).degrees(topology)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options, data_parallel, axes", [
+    ({"pipeline_degree": 2, "shard_degree": 2}, 2, ("shard",)),
+    ({"pipeline_degree": 2, "tensor_degree": 2}, 1, ("tensor",)),
+], ids=["2pp_x_2fsdp", "2pp_x_2tp"])
+def test_pipeline_x_one_more_axis_on_four_ranks_matches_single(reference, options,
+                                                               data_parallel, axes):
+    options = {**options, "pipeline": {"schedule": "1f1b", "num_microbatches": 2}}
+    results = spawn(worker, 4, options, timeout=300)
+    for result in results:
+        assert_matches(result, reference)
+        assert result["meshes"] == {axes}
+    assert sorted(r["data_parallel"] for r in results) == sorted(
+        (data_parallel, rank % data_parallel) for rank in range(4))
+
+
+@pytest.mark.slow
+def test_three_d_on_eight_ranks_matches_single_and_resumes_in_one_process(reference, tmp_path):
+    options = {"pipeline_degree": 2, "shard_degree": 2, "tensor_degree": 2,
+               "pipeline": {"schedule": "gpipe", "num_microbatches": 2}}
+    results = spawn(worker, 8, options, str(tmp_path), timeout=420)
+    for result in results:
+        assert_matches(result, reference)
+        # FSDP over the tensor-parallel pieces: 2-D DTensors; norms and layer norms
+        # (not in the plan) are sharded over the data axis only.
+        assert result["meshes"] == {("shard", "tensor"), ("shard",)}
+    # Saved by 8 ranks (stages x shards x tensor pieces), resumed by one process.
+    resumed = paratrain.Run(strategy="single", progress=False, accelerator="cpu", seed=5)
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = resumed.prepare(model, optimizer)
+    resumed.load(results[0]["saved"])
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(model.state_dict()[name], value, atol=1e-5, rtol=1e-5)
+    assert resumed.global_step == STEPS and len(optimizer.state) == len(reference["params"])
+    resumed.close()
+
+
+@pytest.mark.slow
+def test_pipeline_x_hsdp_on_eight_ranks_matches_single(reference):
+    # Two data axes inside a pipeline: stages sharded over 2 ranks, replicated twice.
+    options = {"pipeline_degree": 2, "replicate_degree": 2, "shard_degree": 2,
+               "pipeline": {"schedule": "1f1b", "num_microbatches": 2}}
+    results = spawn(worker, 8, options, timeout=420)
+    for result in results:
+        assert_matches(result, reference)
+        assert result["meshes"] == {("replicate", "shard")}
+    assert sorted(r["data_parallel"] for r in results) == sorted(
+        (4, rank % 4) for rank in range(8))
