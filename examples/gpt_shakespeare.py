@@ -99,10 +99,12 @@ def train(args: argparse.Namespace) -> dict:
                     dropout=args.dropout)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
                                       weight_decay=0.1)
-        # The learning rate is set on the prepared optimizer each step rather than by an
-        # LRScheduler: a pipeline stage's optimizer is rebuilt over its own parameters in
-        # prepare(), and a scheduler built before would keep driving the old one.
-        model, optimizer = run.prepare(model, optimizer)
+        # Given to prepare(): where the strategy rebuilds the optimizer over its own
+        # parameters (fsdp, tp, a pipeline stage), the scheduler follows it, and a
+        # checkpoint would carry its state.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: learning_rate(step, args) / args.lr)
+        model, optimizer = run.prepare(model, optimizer, scheduler)
         run.print(f"GPT {args.n_layer}x{args.n_embd} ({sum(p.numel() for p in model.parameters())} "
                   f"parameters on rank 0) on {len(corpus.text):,} characters of Shakespeare, "
                   f"vocabulary {corpus.vocab_size}, {run.world_size} worker(s), strategy "
@@ -119,8 +121,6 @@ def train(args: argparse.Namespace) -> dict:
         for _ in run.epochs(epochs):
             for x, y in run.progress(loader):
                 started = time.perf_counter()
-                for group in optimizer.param_groups:
-                    group["lr"] = learning_rate(step, args)
                 loss = token_loss(model(x), y)
                 run.backward(loss)
                 run.step(optimizer)

@@ -59,3 +59,18 @@ def test_missing_private_api_is_one_line(monkeypatch):
         _compat.make_tensor_subclass(torch.Tensor, torch.zeros(()))
     monkeypatch.delattr(dist.distributed_c10d, "_get_default_group")
     assert _compat.collective_sequence_number() == -1
+
+
+def test_rebind_lr_scheduler_moves_the_schedule_and_its_order_check():
+    import warnings
+
+    old = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(old, step_size=1, gamma=0.1)
+    new = torch.optim.SGD([dict(group) for group in old.param_groups])
+    _compat.rebind_lr_scheduler(scheduler, new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither "overridden" nor "before optimizer.step()"
+        new.step()
+        scheduler.step()
+    assert new.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert old.param_groups[0]["lr"] == 1.0

@@ -9,6 +9,7 @@ exercises each function on the installed torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 __all__ = [
     "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
-    "make_tensor_subclass", "nvml_device_index", "release_ddp_reducer",
+    "make_tensor_subclass", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
     "torch_function_disabled", "tree_map",
 ]
 
@@ -104,3 +105,24 @@ def torch_function_disabled() -> Any:
     if disable is None:
         raise _missing("torch._C.DisableTorchFunctionSubclass")
     return disable()
+
+
+def rebind_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``scheduler`` drive ``optimizer`` (a strategy's rebuild of the one it was made for).
+
+    ``LRScheduler`` wraps its optimizer's ``step`` to check the call order
+    (``_opt_called``, ``_wrapped_by_lr_sched``, private); the new optimizer gets the same
+    wrapper, so the scheduler neither warns nor loses count.
+    """
+    scheduler.optimizer = optimizer
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]

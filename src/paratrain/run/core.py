@@ -32,6 +32,7 @@ from paratrain.compile import CompileClock, CompileOptions
 from paratrain.config import RunConfig
 from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler
+from paratrain.distributed import _compat
 from paratrain.distributed.process_group import destroy_process_group
 from paratrain.losses import GlobalCount
 from paratrain.reliability import signals
@@ -134,6 +135,7 @@ class Run(TrainStep):
         """
         if optimizer is not None:
             misuse.check_optimizer_matches(model, optimizer)
+        misuse.check_scheduler_matches(optimizer, scheduler)
         if self.strategy.data_parallel_size == self.world_size:
             # Every rank holds (a shard of) the same model: compare shapes before any
             # wrapper communicates, since a wrapper fails obscurely on a mismatch.
@@ -149,7 +151,11 @@ class Run(TrainStep):
         with self._guard_peers():
             model = self.strategy.setup_model(model)
             if optimizer is not None:
-                optimizer = self.strategy.setup_optimizer(optimizer)
+                prepared = self.strategy.setup_optimizer(optimizer)
+                if scheduler is not None and prepared is not optimizer:
+                    # Rebuilt over the strategy's new parameters: schedule the new one.
+                    _compat.rebind_lr_scheduler(scheduler, prepared)
+                optimizer = prepared
         if isinstance(self.strategy, ServerRole) and self.strategy.serve(model, optimizer):
             # A non-training role (parameter server) finished its work: leave cleanly.
             self.close()

@@ -8,6 +8,7 @@ lists them). They are local and cost nothing measurable: no communication.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +29,14 @@ def check_optimizer_matches(model: nn.Module, optimizer: torch.optim.Optimizer) 
             "this model, so training would not change it; build the optimizer from this "
             "model (e.g. torch.optim.SGD(model.parameters(), ...)) before calling prepare"
         )
+
+
+def check_scheduler_matches(optimizer: torch.optim.Optimizer | None, scheduler: Any) -> None:
+    """ValueError when ``scheduler`` was built over another optimizer than ``optimizer``:
+    it would set learning rates nothing reads."""
+    if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("the scheduler passed to prepare() drives another optimizer; build "
+                         "it over the optimizer you pass with it")
 
 
 def check_step_has_gradients(*, backward_called: bool, models: Iterable[nn.Module],
