@@ -1,21 +1,18 @@
-"""Per-rank memory of DDP, FSDP and pipeline at N = 1, 2, 4, and the pipeline bubble.
+"""Per-rank memory of DDP, FSDP and pipeline at N = 1, 2, 4.
 
 For each strategy and N (gloo, CPU processes) a stack of Linear blocks is
 trained for a few Adam steps; each rank reports the bytes it holds in
 parameters, gradients and optimizer state, and its peak resident memory
-above the baseline taken before the model was built. Then a 2-stage pipeline
-is timed at several micro-batch counts and its idle fraction compared with
-``(p - 1) / (m + p - 1)``.
+above the baseline taken before the model was built. The pipeline bubble has its own
+benchmark, ``pipeline_bubble.py``.
 
     python benchmarks/sharding_memory.py                   # full size
-    python benchmarks/sharding_memory.py --width 256 --sizes 1,2 --bubble-steps 3  # quick
+    python benchmarks/sharding_memory.py --width 256 --sizes 1,2   # quick
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +23,6 @@ import paratrain
 from paratrain.distributed.spawn import spawn
 
 STRATEGIES = ("ddp", "fsdp", "pipeline")
-
-
-
 
 
 def memory_worker(rank, world_size, strategy, width, depth, batch_size, num_steps):
@@ -56,36 +50,6 @@ def memory_worker(rank, world_size, strategy, width, depth, batch_size, num_step
     return {"params": params, "grads": grads, "optimizer": state, "peak": peak}
 
 
-def bubble_worker(rank, world_size, width, depth, batch_size, num_microbatches, num_steps):
-    torch.set_num_threads(1)
-    run = paratrain.Run(strategy="pipeline", progress=False, accelerator="cpu", seed=0,
-                        strategy_options={"schedule": "gpipe",
-                                          "num_microbatches": num_microbatches})
-    model = mlp(width, depth)
-    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
-    x, y = torch.randn(batch_size, width), torch.randint(0, 10, (batch_size,))
-    times = []
-    for _ in range(num_steps + 1):
-        run.strategy.barrier()
-        start = time.perf_counter()
-        run.backward(F.cross_entropy(model(x), y))
-        run.strategy.barrier()
-        times.append(time.perf_counter() - start)
-        optimizer.zero_grad(set_to_none=True)
-    step_time = statistics.median(times[1:])  # the first step also infers shapes
-    # Busy time: this stage alone, forward + backward of each micro-batch.
-    stage = model.stage_module
-    micro = torch.randn(batch_size // num_microbatches, width, requires_grad=True)
-    busy = []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        for _ in range(num_microbatches):
-            stage(micro).sum().backward()
-        busy.append(time.perf_counter() - start)
-    run.close()
-    return 1.0 - statistics.median(busy) / step_time
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -93,8 +57,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per data-parallel rank")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--sizes", default="1,2,4")
-    parser.add_argument("--microbatches", default="1,2,4,8")
-    parser.add_argument("--bubble-steps", type=int, default=5)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     mib = 2**20
@@ -114,12 +76,6 @@ def main() -> None:
             print(f"{strategy:<9} {n:>2} {worst['params'] / mib:>11.2f} {worst['grads'] / mib:>10.2f} "
                   f"{worst['optimizer'] / mib:>10.2f} {state / mib:>10.2f} {ratio:>7.3f} "
                   f"{max(r['peak'] for r in results) / mib:>9.1f}")
-    print("\npipeline bubble, p = 2 stages, GPipe (idle fraction of a step, worst stage)")
-    print(f"{'m':>3} {'measured':>9} {'(p-1)/(m+p-1)':>14}")
-    for m in [int(s) for s in args.microbatches.split(",")]:
-        idle = spawn(bubble_worker, 2, args.width, args.depth, args.batch_size * 2, m,
-                     args.bubble_steps, timeout=900)
-        print(f"{m:>3} {max(idle):>9.3f} {1 / (m + 1):>14.3f}")
 
 
 if __name__ == "__main__":

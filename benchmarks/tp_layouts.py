@@ -1,4 +1,5 @@
-"""Per-rank memory and step time of a small GPT under single, ddp, fsdp, tp and fsdp_tp.
+"""Per-rank memory and step time of a small GPT under single, ddp, fsdp, tp, fsdp_tp and
+hybrid's pipeline layouts (pipeline x FSDP, pipeline x TP, the 3-D pipeline x FSDP x TP).
 
 Every layout trains the same global batch (``tp`` ranks all read it whole; data-parallel
 ranks read their share) for a few AdamW steps on gloo CPU processes. Each rank reports the
@@ -8,6 +9,7 @@ step time after the first step.
 
     python benchmarks/tp_layouts.py                                  # 2 ranks
     python benchmarks/tp_layouts.py --layouts fsdp_tp --ranks 4      # 2-D, 4 ranks
+    python benchmarks/tp_layouts.py --layouts pp_fsdp,pp_tp,pp_fsdp_tp  # 4, 4 and 8 ranks
 """
 
 from __future__ import annotations
@@ -25,10 +27,25 @@ from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
 
 
+_PIPELINE = {"schedule": "1f1b", "num_microbatches": 2}
+#: layout -> (strategy, options, ranks; None: --ranks)
+LAYOUTS = {
+    "single": ("single", {}, 1),
+    "ddp": ("ddp", {}, None),
+    "fsdp": ("fsdp", {}, None),
+    "tp": ("tp", {}, None),
+    "fsdp_tp": ("fsdp_tp", {"tensor_degree": 2}, None),
+    "pp_fsdp": ("hybrid", {"pipeline_degree": 2, "shard_degree": 2, "pipeline": _PIPELINE}, 4),
+    "pp_tp": ("hybrid", {"pipeline_degree": 2, "tensor_degree": 2, "pipeline": _PIPELINE}, 4),
+    "pp_fsdp_tp": ("hybrid", {"pipeline_degree": 2, "shard_degree": 2, "tensor_degree": 2,
+                              "pipeline": _PIPELINE}, 8),
+}
+
+
 def worker(rank, world_size, layout, config, global_batch, num_steps):
     torch.set_num_threads(1)
-    options = {"tensor_degree": 2} if layout == "fsdp_tp" else {}
-    run = paratrain.Run(strategy=layout, strategy_options=options, progress=False,
+    strategy, options, _ = LAYOUTS[layout]
+    run = paratrain.Run(strategy=strategy, strategy_options=options, progress=False,
                         accelerator="cpu", seed=0)
     baseline = max_rss()
     torch.manual_seed(0)
@@ -43,8 +60,8 @@ def worker(rank, world_size, layout, config, global_batch, num_steps):
         idx = torch.randint(0, config["vocab"], (batch, config["seq"] + 1), generator=g)
         run.strategy.barrier()
         start = time.perf_counter()
-        logits = model(idx[:, :-1])
-        run.backward(F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()))
+        # (B, vocab, T) logits: a pipeline splits the (B, T) targets with the batch.
+        run.backward(F.cross_entropy(model(idx[:, :-1]).transpose(1, 2), idx[:, 1:]))
         grads = local_bytes(p.grad for p in model.parameters())
         run.step(optimizer)
         run.strategy.barrier()
@@ -73,13 +90,17 @@ def main() -> None:
     mib = 2**20
     print(f"GPT: {args.depth} blocks, width {args.width}, {args.heads} heads, seq {args.seq}, "
           f"vocab {args.vocab}; AdamW, float32, global batch {args.global_batch}, gloo CPU")
-    print(f"{'layout':<8} {'ranks':>5} {'state MiB/rank':>15} {'peak MiB/rank':>14} "
+    layouts = [name for name in args.layouts.split(",") if name]
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        parser.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+    print(f"{'layout':<10} {'ranks':>5} {'state MiB/rank':>15} {'peak MiB/rank':>14} "
           f"{'step ms':>8}")
-    for layout in [name for name in args.layouts.split(",") if name]:
-        ranks = 1 if layout == "single" else args.ranks
+    for layout in layouts:
+        ranks = LAYOUTS[layout][2] or args.ranks
         results = spawn(worker, ranks, layout, config, args.global_batch, args.steps,
                         timeout=900)
-        print(f"{layout:<8} {ranks:>5} {max(r['state'] for r in results) / mib:>15.2f} "
+        print(f"{layout:<10} {ranks:>5} {max(r['state'] for r in results) / mib:>15.2f} "
               f"{max(r['peak'] for r in results) / mib:>14.1f} "
               f"{max(r['step'] for r in results) * 1e3:>8.1f}")
 
