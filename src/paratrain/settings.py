@@ -158,12 +158,8 @@ def _warn_seconds(env: Mapping[str, str]) -> float:
 
 
 def _grace(env: Mapping[str, str]) -> float:
-    name = VARIABLES["term_grace_s"][0]
-    raw = env.get(name, "") or str(DEFAULT_TERM_GRACE_S)
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} must be a number of seconds") from None
+    value = _seconds(env, VARIABLES["term_grace_s"][0])
+    return DEFAULT_TERM_GRACE_S if value is None else value
 
 
 def _count(env: Mapping[str, str], name: str, default: int, note: str) -> int:

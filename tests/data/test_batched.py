@@ -98,7 +98,10 @@ def test_batches_equal_the_dataloader_path(world, shuffle, tail):
 def test_drop_last_batch_and_getitems_datasets_match():
     dataset = tensor_dataset()
     for rank in range(2):
-        assert_same_epoch(*loader_pair(dataset, 2, rank, drop_last_batch=True))
+        # 12 samples per rank in batches of 5: the partial batch of 2 is what is dropped.
+        assert assert_same_epoch(*loader_pair(dataset, 2, rank, batch=5)) == 3
+        assert assert_same_epoch(*loader_pair(dataset, 2, rank, batch=5,
+                                               drop_last_batch=True)) == 2
         assert_same_epoch(*loader_pair(DictItems(dataset), 2, rank))
         assert_same_epoch(*loader_pair(Subset(dataset, list(range(3, 20))), 2, rank))
 

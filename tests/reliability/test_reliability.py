@@ -368,3 +368,33 @@ def test_wait_notices_come_at_the_interval(capsys):
                          done=lambda: True):
         time.sleep(0.7)
     assert capsys.readouterr().err == ""
+
+
+def test_a_run_that_fails_late_in_its_set_up_leaves_no_signal_handler(monkeypatch, tmp_path):
+    import signal as signals_module
+
+    import paratrain
+    from paratrain.run import build
+
+    def broken_metrics(*args, **kwargs):
+        raise OSError("metrics file not writable")
+
+    # The last pieces are built after SIGTERM/SIGINT handlers are installed.
+    monkeypatch.setattr(build, "MetricsLog", broken_metrics)
+    before = {sig: signals_module.getsignal(sig)
+              for sig in (signals_module.SIGTERM, signals_module.SIGINT)}
+    with pytest.raises(OSError, match="metrics file not writable"):
+        paratrain.Run(strategy="single", accelerator="cpu", progress=False,
+                      checkpoint_dir=str(tmp_path / "ckpt"),
+                      metrics_path=str(tmp_path / "metrics.jsonl"))
+    assert {sig: signals_module.getsignal(sig) for sig in before} == before
+
+
+def test_grace_seconds_must_be_positive():
+    from paratrain.settings import Settings
+
+    for raw in ("-1", "0", "soon"):
+        with pytest.raises(ValueError, match=f"PARATRAIN_TERM_GRACE_S='{raw}' must be a "
+                                             "number of seconds > 0"):
+            Settings.from_environ({"PARATRAIN_TERM_GRACE_S": raw})
+    assert Settings.from_environ({"PARATRAIN_TERM_GRACE_S": "2.5"}).term_grace_s == 2.5

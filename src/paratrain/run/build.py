@@ -75,6 +75,7 @@ def build_parts(config: RunConfig, settings: Settings,
                                     wait_report_s=settings.wait_report_s)
     strategy: Strategy | None = None
     monitor_hang: hang.HangMonitor | None = None
+    stop: signals.GracefulStop | None = None
     try:
         strategy = create_strategy(config.strategy, topology, config.strategy_options,
                                    timeout_s=config.timeout_s)
@@ -90,7 +91,30 @@ def build_parts(config: RunConfig, settings: Settings,
         monitor_hang = hang.HangMonitor(
             rank=topology.rank, world_size=topology.world_size, hosts=monitor.hosts,
             warn_after_s=hang.warn_after_s(config.timeout_s, settings.collective_warn_s))
+        # Step checks and the SIGTERM agreement need every rank to take every step
+        # (not so for parameter servers or pipeline stages).
+        lockstep = strategy.data_parallel_size == topology.world_size
+        if not lockstep:
+            monitor.every = 0
+        stop = signals.GracefulStop(group=monitor.group,
+                                    enabled=config.checkpoint_dir is not None and lockstep,
+                                    grace_s=settings.term_grace_s)
+        metrics = None
+        if topology.is_main and (config.metrics_path or config.tensorboard_dir):
+            metrics = MetricsLog(config.metrics_path, config.tensorboard_dir)
+        reporter = Reporter(is_main=topology.is_main, show_progress=config.progress,
+                            metrics=metrics)
+        peak = device_peak_flops(device=topology.device, precision=config.precision,
+                                 override=config.peak_flops)
+        throughput = Throughput(
+            tokens_per_sample=config.tokens_per_sample, peak_flops=peak, flops_per_sample=None,
+            replicas=strategy.data_parallel_size, on_gpu=topology.device.type == "cuda")
+        faults = FaultPlan.from_settings(settings, rank=topology.rank)
     except BaseException:
+        # Nothing built may outlive a failed Run(): not the signal handlers, not the
+        # hang monitor's thread, not the process group.
+        if stop is not None:
+            stop.close(wait=False)
         if monitor_hang is not None:
             monitor_hang.close()
         if strategy is not None:
@@ -98,28 +122,10 @@ def build_parts(config: RunConfig, settings: Settings,
         if owns_group:
             destroy_process_group()
         raise
-    # Step checks and the SIGTERM agreement need every rank to take every step
-    # (not so for parameter servers or pipeline stages).
-    lockstep = strategy.data_parallel_size == topology.world_size
-    if not lockstep:
-        monitor.every = 0
-    stop = signals.GracefulStop(group=monitor.group,
-                                enabled=config.checkpoint_dir is not None and lockstep,
-                                grace_s=settings.term_grace_s)
-    metrics = None
-    if topology.is_main and (config.metrics_path or config.tensorboard_dir):
-        metrics = MetricsLog(config.metrics_path, config.tensorboard_dir)
-    reporter = Reporter(is_main=topology.is_main, show_progress=config.progress,
-                        metrics=metrics)
-    peak = device_peak_flops(device=topology.device, precision=config.precision,
-                             override=config.peak_flops)
-    throughput = Throughput(
-        tokens_per_sample=config.tokens_per_sample, peak_flops=peak, flops_per_sample=None,
-        replicas=strategy.data_parallel_size, on_gpu=topology.device.type == "cuda")
     return RunParts(
         config=config, settings=settings, topology=topology, owns_group=owns_group,
         strategy=strategy, precision=precision, health=monitor, hang=monitor_hang, stop=stop,
         reporter=reporter, throughput=throughput,
         # Counted only when MFU can be reported: CPU runs without peak_flops do no extra work.
         flop_counter=FirstStepFlops(enabled=peak is not None),
-        faults=FaultPlan.from_settings(settings, rank=topology.rank))
+        faults=faults)
