@@ -11,7 +11,8 @@ from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.pipeline.deferred import Deferred, Node
 from paratrain.strategies.pipeline.module import microbatches_for
-from paratrain.strategies.pipeline.strategy import PipelineOptions, stage_layers
+from paratrain.strategies.pipeline.layout import stage_layers
+from paratrain.strategies.pipeline.strategy import PipelineOptions
 from paratrain.testing.reference import synthetic_classification
 
 
@@ -33,11 +34,22 @@ def test_balanced_split_minimises_the_largest_stage():
 
 
 def test_stage_layers_keep_full_names_and_validate_split_points():
-    stage = stage_layers(mlp(), 2, 1, (4,))
+    stage = stage_layers(mlp(), num_stages=2, stage_indices=[1], split_points=(4,)).whole
     assert [name for name, _ in stage.named_children()] == ["4", "5", "6"]
     assert "4.weight" in stage.state_dict()
     with pytest.raises(ValueError, match="split_points=\\(9,\\) must give 1 start"):
-        stage_layers(mlp(), 2, 0, (9,))
+        stage_layers(mlp(), num_stages=2, stage_indices=[0], split_points=(9,))
+    # Two stages per rank (interleaved): stages 0 and 2 of 4, sharing their layers.
+    whole, chunks = stage_layers(mlp(), num_stages=4, stage_indices=[0, 2],
+                                 split_points=(2, 4, 5))
+    assert [[n for n, _ in c.named_children()] for c in chunks] == [["0", "1"], ["4"]]
+    assert [n for n, _ in whole.named_children()] == ["0", "1", "4"]
+    assert chunks[1][0] is whole[2]
+    with pytest.raises(ValueError, match="stages_per_rank=2 needs schedule 'interleaved_1f1b'"):
+        PipelineOptions(stages_per_rank=2)
+    with pytest.raises(ValueError, match="'interleaved_1f1b' needs stages_per_rank >= 2"):
+        PipelineOptions(schedule="interleaved_1f1b", stages_per_rank=1)
+    assert PipelineOptions(schedule="interleaved_1f1b").num_local_stages == 2
     with pytest.raises(ValueError, match="split_points must be increasing"):
         PipelineOptions(split_points=(3, 2))
     with pytest.raises(ValueError, match="schedule must be one of"):

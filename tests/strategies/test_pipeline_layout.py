@@ -17,6 +17,7 @@ from paratrain.strategies.pipeline.layout import (
     layout_of,
     measure_costs,
     ranges_from_points,
+    split_model,
 )
 
 VOCAB, BLOCK = 11, 8
@@ -52,15 +53,24 @@ def test_stages_keep_full_names_and_together_equal_the_model():
     names = {n for n, _ in full.named_parameters()}
     stages = [range(0, 1), range(1, 4)]
     torch.manual_seed(0)
-    first = cut_stage(gpt(), layout_of(gpt()), stages, 0)
+    first = cut_stage(gpt(), layout_of(gpt()), stages, [0])
     torch.manual_seed(0)
-    last = cut_stage(gpt(), layout_of(gpt()), stages, 1)
+    last = cut_stage(gpt(), layout_of(gpt()), stages, [1])
     first_names = {n for n, _ in first.named_parameters()}
     last_names = {n for n, _ in last.named_parameters()}
     assert "tok_emb.weight" in first_names and "blocks.0.attn.q.weight" in first_names
     assert "blocks.3.mlp.proj.weight" in last_names and "head.weight" in last_names
     assert not first_names & last_names and first_names | last_names == names
     torch.testing.assert_close(last(first(x)), expected, rtol=0, atol=0)
+    # Two stages per rank: chunks 0 and 2 of 4 share their parts with the rank's whole.
+    torch.manual_seed(0)
+    whole, chunks = split_model(gpt(), layout_of(gpt()), num_stages=4, stage_indices=[0, 2],
+                                split_points=(1, 2, 3), device=torch.device("cpu"), agree=None)
+    assert {n for n, _ in whole.named_parameters()} == {
+        n for c in chunks for n, _ in c.named_parameters()}
+    assert chunks[0].head is None and chunks[1].tok_emb is None and whole.head is None
+    assert [n for n, _ in chunks[1].blocks.named_children()] == ["2"]
+    assert dict(chunks[1].blocks.named_children())["2"] is dict(whole.blocks.named_children())["2"]
 
 
 class NormedStack(nn.Module):
@@ -133,12 +143,15 @@ def train(strategy, num_steps, schedule):
             run.backward(loss)
             run.step(optimizer)
             losses.append(run.mean(loss))
+    evaluation = run.evaluate(model, run.eval_loader(tokens(13), batch_size=4),
+                              loss_fn=lambda out, y: F.cross_entropy(out.transpose(1, 2), y,
+                                                                     reduction="sum"))
     strategy = run.strategy
     module = (strategy.checkpoint_module(model) if isinstance(strategy, ShardedState)
               else strategy.unwrap(model))
     params = {k: v.detach().clone() for k, v in module.state_dict().items()}
     run.close()
-    return params, losses
+    return params, losses + [evaluation["loss"]]
 
 
 def pipeline_worker(rank, world_size, schedule):
@@ -148,9 +161,9 @@ def pipeline_worker(rank, world_size, schedule):
 
 
 @pytest.mark.slow
-def test_gpt_pipeline_matches_single_process_with_gpipe_and_1f1b():
+def test_gpt_pipeline_matches_single_process_with_every_schedule():
     ref_params, ref_losses = train("single", 4, None)
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         results = spawn(pipeline_worker, 2, schedule)
         seen = set()
         for params, losses in results:
@@ -161,3 +174,10 @@ def test_gpt_pipeline_matches_single_process_with_gpipe_and_1f1b():
         # The stages are disjoint and together hold the whole model.
         assert seen == set(ref_params)
         assert not set(results[0][0]) & set(results[1][0])
+        blocks = [sorted({int(n.split(".")[1]) for n in params if n.startswith("blocks.")})
+                  for params, _ in results]
+        if schedule == "interleaved_1f1b":
+            # 4 one-block stages in a loop: rank 0 runs stages 0 and 2.
+            assert blocks == [[0, 2], [1, 3]]
+        else:
+            assert all(b == list(range(b[0], b[-1] + 1)) for b in blocks)

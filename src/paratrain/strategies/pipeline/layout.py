@@ -17,9 +17,12 @@ contiguous split that minimises the slowest stage.
 
 from __future__ import annotations
 
+import copy
 import time
+from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -152,28 +155,48 @@ def measure_costs(model: nn.Module, layout: PipelineLayout, device: torch.device
     return costs
 
 
+class StageParts(NamedTuple):
+    """What one rank of a pipeline holds."""
+
+    whole: nn.Module
+    """All of this rank's parts in one module, under the full model's names: what the
+    optimizer steps and checkpoints store."""
+    chunks: list[nn.Module]
+    """One module per stage this rank runs (one, or several for an interleaved
+    schedule), in stage order; they share their parts with :attr:`whole`."""
+
+
+def _shallow_copy(module: nn.Module) -> nn.Module:
+    """Another module object of the same class over the same parts: cutting it leaves
+    ``module`` as it was."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)  # the parts are shared, the table is not
+    return clone
+
+
 def cut_stage(model: nn.Module, layout: PipelineLayout, stages: list[range],
-              stage_index: int) -> nn.Module:
-    """``model`` reduced in place to stage ``stage_index``'s parts (full parameter names)."""
-    last = len(stages) - 1
-    for names, keep in ((layout.before, stage_index == 0), (layout.after, stage_index == last)):
+              stage_indices: Collection[int]) -> nn.Module:
+    """``model`` reduced in place to the parts of ``stage_indices`` (full parameter names)."""
+    for names, keep in ((layout.before, 0 in stage_indices),
+                        (layout.after, len(stages) - 1 in stage_indices)):
         if not keep:
             for name in names:
                 setattr(model, name, None)
-    blocks = getattr(model, layout.blocks)
+    kept_blocks = {i for index in stage_indices for i in stages[index]}
     kept = nn.ModuleList()
-    for index, block in enumerate(blocks):
-        if index in stages[stage_index]:
+    for name, block in getattr(model, layout.blocks).named_children():
+        if int(name) in kept_blocks:
             # Registered under the original index: "blocks.5.attn..." stays its name.
-            kept.add_module(str(index), block)
+            kept.add_module(name, block)
     setattr(model, layout.blocks, kept)
     return model
 
 
-def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int, stage_index: int,
-                split_points: tuple[int, ...] | None, device: torch.device,
-                agree: Any) -> nn.Module:
-    """This stage of ``model``: blocks split at ``split_points`` or by measured compute.
+def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int,
+                stage_indices: list[int], split_points: tuple[int, ...] | None,
+                device: torch.device, agree: Any) -> StageParts:
+    """Stages ``stage_indices`` of ``model``: blocks split at ``split_points`` or by
+    measured compute.
 
     ``agree(measure, count) -> costs`` makes every rank use the same ``count`` costs:
     timings differ per process, so one process runs ``measure()`` and shares the result
@@ -182,7 +205,7 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int, st
     num_blocks = len(getattr(model, layout.blocks))
     if not 1 <= num_stages <= num_blocks:
         raise ValueError(f"cannot split {num_blocks} blocks into {num_stages} stages; "
-                         "use fewer processes or a model with more blocks")
+                         "use fewer processes (or stages per rank) or a model with more blocks")
     if split_points is not None:
         stages = ranges_from_points(num_blocks, num_stages, split_points)
     else:
@@ -191,4 +214,30 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int, st
         else:
             costs = parameter_costs(model, layout)  # the same in every process
         stages = block_ranges(costs, num_stages)
-    return cut_stage(model, layout, stages, stage_index)
+    whole = cut_stage(model, layout, stages, stage_indices)
+    if len(stage_indices) == 1:
+        return StageParts(whole, [whole])
+    return StageParts(whole, [cut_stage(_shallow_copy(whole), layout, stages, [index])
+                              for index in stage_indices])
+
+
+def stage_layers(model: nn.Sequential, *, num_stages: int, stage_indices: list[int],
+                 split_points: tuple[int, ...] | None) -> StageParts:
+    """Stages ``stage_indices`` of an ``nn.Sequential``, keeping the children's names (so
+    checkpoints use full FQNs); balanced by parameter count without ``split_points``."""
+    children = list(model.named_children())
+    if not 1 <= num_stages <= len(children):
+        raise ValueError(f"cannot split {len(children)} layers into {num_stages} stages; "
+                         "use fewer processes (or stages per rank) or more layers")
+    if split_points is None:
+        stages = block_ranges([sum(p.numel() for p in c.parameters()) for _, c in children],
+                              num_stages)
+    else:
+        stages = ranges_from_points(len(children), num_stages, tuple(split_points), kind="start")
+    chunks = [nn.Sequential(OrderedDict(children[i] for i in stages[index]))
+              for index in stage_indices]
+    if len(chunks) == 1:
+        return StageParts(chunks[0], chunks)
+    whole = nn.Sequential(OrderedDict(children[i] for index in stage_indices
+                                      for i in stages[index]))
+    return StageParts(whole, chunks)

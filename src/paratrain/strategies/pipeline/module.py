@@ -38,9 +38,16 @@ class _Forward:
     module: PipelineModule
 
 
-def microbatches_for(batch_size: int, requested: int) -> int:
-    """The largest number of equal micro-batches <= ``requested`` that divides the batch."""
-    return max(m for m in range(1, min(requested, batch_size) + 1) if batch_size % m == 0)
+def microbatches_for(batch_size: int, requested: int, *, looped_ranks: int = 0) -> int:
+    """The largest number of equal micro-batches <= ``requested`` that divides the batch.
+
+    ``looped_ranks``: an interleaved schedule over that many ranks, which also needs the
+    micro-batches to form equal rounds (``m % max(1, m // ranks) == 0``).
+    """
+    def fits(m: int) -> bool:
+        return batch_size % m == 0 and (not looped_ranks or m % max(1, m // looped_ranks) == 0)
+
+    return max(m for m in range(1, min(requested, batch_size) + 1) if fits(m))
 
 
 def _split(value: Any, batch_size: int, num_microbatches: int) -> list[Any]:
@@ -54,8 +61,11 @@ class PipelineModule(nn.Module):
 
     Args:
         stage_module: this rank's layers (parameter names as in the full model).
-        stage_index: position of the stage, 0 .. num_stages - 1.
-        num_stages: pipeline degree.
+        chunks: the stages this rank runs, sharing their layers with ``stage_module``
+            (one: ``stage_module`` itself; several under an interleaved schedule).
+        stage_indices: the chunks' positions, 0 .. num_stages - 1 (rank ``r`` of ``p``
+            runs ``r, r + p, ...``).
+        num_stages: stages in the whole pipeline (ranks x stages per rank).
         group: the process group of this pipeline (its rank ``i`` is stage ``i``).
         device: compute device.
         schedule: ``"gpipe"`` or ``"1f1b"``.
@@ -65,29 +75,33 @@ class PipelineModule(nn.Module):
             can differ in size, and so would the number of micro-batches that divide them.
     """
 
-    def __init__(self, stage_module: nn.Module, *, stage_index: int, num_stages: int,
+    def __init__(self, stage_module: nn.Module, *, chunks: list[nn.Module],
+                 stage_indices: list[int], num_stages: int,
                  group: dist.ProcessGroup, device: torch.device, schedule: str,
                  num_microbatches: int, sharded: bool = False) -> None:
         super().__init__()
         self.sharded = sharded
         self.stage_module = stage_module
-        self.stage_index = stage_index
+        # Not registered: their parameters are stage_module's, under the same names.
+        self._chunks = list(chunks)
+        self.stage_indices = list(stage_indices)
         self.num_stages = num_stages
+        self.num_ranks = group.size()
         self.group = group
         self.device = device
         self.schedule_name = schedule
         self.num_microbatches = num_microbatches
         self._schedules: dict[tuple, Any] = {}
         self._step: dict[str, Any] = {}
-        self._last_rank = dist.get_global_rank(group, num_stages - 1)
+        self._last_rank = dist.get_global_rank(group, (num_stages - 1) % self.num_ranks)
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.stage_indices
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        return self.num_stages - 1 in self.stage_indices
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.training and torch.is_grad_enabled():
@@ -99,21 +113,33 @@ class PipelineModule(nn.Module):
 
     # -- schedules --------------------------------------------------------------
     def _schedule(self, batch_size: int, num_microbatches: int, train: bool) -> Any:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         # 1F1B needs at least as many micro-batches as stages; GPipe computes the same.
-        one_f_one_b = train and self.schedule_name == "1f1b" and num_microbatches >= self.num_stages
+        one_f_one_b = train and self.schedule_name == "1f1b" and num_microbatches >= self.num_ranks
         key = (batch_size, num_microbatches, train, one_f_one_b)
         if key not in self._schedules:
-            stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages,
-                                  self.device, group=self.group)
-            cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
+            stages = [PipelineStage(chunk, index, self.num_stages, self.device, group=self.group)
+                      for chunk, index in zip(self._chunks, self.stage_indices)]
             # scale_grads=False: the schedule would divide the *accumulated* gradients
             # by m; the loss of each micro-batch is divided instead (see _loss_fn).
-            self._schedules[key] = cls(stage, n_microbatches=num_microbatches,
-                                       loss_fn=self._loss_fn if train else None,
-                                       scale_grads=False)
+            kwargs = {"n_microbatches": num_microbatches, "scale_grads": False,
+                      "loss_fn": self._loss_fn if train else None}
+            if len(stages) > 1:
+                self._schedules[key] = ScheduleInterleaved1F1B(stages, **kwargs)
+            else:
+                cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
+                self._schedules[key] = cls(stages[0], **kwargs)
         return self._schedules[key]
+
+    def _microbatches(self, batch_size: int) -> int:
+        looped = self.num_ranks if len(self._chunks) > 1 else 0
+        return microbatches_for(batch_size, self.num_microbatches, looped_ranks=looped)
 
     def _batch_size(self, args: tuple) -> int:
         for value in args:
@@ -135,7 +161,7 @@ class PipelineModule(nn.Module):
         root, chain = loss_chain(loss)
         recorded: _Forward = root.context
         batch_size = self._batch_size(recorded.args)
-        m = microbatches_for(batch_size, self.num_microbatches)
+        m = self._microbatches(batch_size)
         split: dict[int, list[Any]] = {}
         for node in chain:
             for value in (*node.args, *node.kwargs.values()):
@@ -178,7 +204,7 @@ class PipelineModule(nn.Module):
                 if records and records[0].dim() == 0:
                     stacked = torch.stack([r.double() for r in records.values()])
                     values[i] = stacked.sum() if summed else stacked.mean()
-        if self.num_stages > 1:
+        if self.num_ranks > 1:
             # Only the last stage computed the loss: every stage reports the same value.
             dist.broadcast(values, src=self._last_rank, group=self.group)
         for node, value in zip(chain, values.tolist()):
@@ -189,10 +215,10 @@ class PipelineModule(nn.Module):
     @torch.no_grad()
     def _forward_only(self, args: tuple, kwargs: dict) -> torch.Tensor:
         batch_size = self._batch_size(args)
-        m = 1 if self.sharded else microbatches_for(batch_size, self.num_microbatches)
+        m = 1 if self.sharded else self._microbatches(batch_size)
         schedule = self._schedule(batch_size, m, train=False)
         output = schedule.step(**self._inputs(args, kwargs, batch_size, m))
-        if self.num_stages == 1:
+        if self.num_ranks == 1:
             return output
         return self._broadcast_output(output)
 

@@ -3,10 +3,11 @@
 Each rank holds only its stage's parameters, gradients and optimizer state.
 A batch is split into micro-batches that flow through the stages under a
 ``torch.distributed.pipelining`` schedule: GPipe (all forwards, then all
-backwards) or 1F1B (one forward, one backward in the steady state, so fewer
-activations are alive). Stages idle while the pipeline fills and drains: the
-bubble is ``(p - 1) / (m + p - 1)`` of the step for ``p`` stages and ``m``
-micro-batches.
+backwards), 1F1B (one forward, one backward in the steady state, so fewer
+activations are alive) or interleaved 1F1B (``v`` smaller stages per rank, in a
+loop). Stages idle while the pipeline fills and drains: the bubble is
+``(p - 1) / (m + p - 1)`` of the step for ``p`` stages and ``m`` micro-batches,
+``(p - 1) / (v m + p - 1)`` interleaved.
 
 The user's loop does not change: see :mod:`.deferred` for how
 ``loss = F.cross_entropy(model(x), y); run.backward(loss)`` becomes one
@@ -28,7 +29,6 @@ it delays FSDP's gradient reduction to the last micro-batch of a step.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -56,17 +56,12 @@ from paratrain.strategies.capabilities import (
 )
 from paratrain.strategies.dtensor_params import mixed_precision_policy, shard_units
 from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
-from paratrain.strategies.pipeline.layout import (
-    block_ranges,
-    layout_of,
-    ranges_from_points,
-    split_model,
-)
+from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
 from paratrain.strategies.tensor.plan import resolve_plan
 from paratrain.strategies.tensor.strategy import TPOptions, apply_tp, global_grad_norm
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +69,13 @@ class PipelineOptions:
     """Options of the ``pipeline`` strategy."""
 
     schedule: str = "1f1b"
-    """``gpipe`` or ``1f1b`` (same gradients; 1F1B keeps fewer activations alive)."""
+    """``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (same gradients; 1F1B keeps fewer
+    activations alive; interleaved 1F1B runs several smaller stages per rank, in a loop,
+    so the pipeline fills and drains faster)."""
+
+    stages_per_rank: int | None = None
+    """Stages each rank runs: with ``interleaved_1f1b`` 2 or more (default 2), else 1.
+    Rank ``r`` of ``p`` runs stages ``r, r + p, r + 2p, ...``."""
 
     num_microbatches: int = 4
     """Micro-batches per step. More shrinks the bubble but makes each one smaller.
@@ -92,6 +93,14 @@ class PipelineOptions:
             raise ValueError(
                 f"num_microbatches must be an integer >= 1, got {self.num_microbatches!r}"
             )
+        per_rank = self.stages_per_rank
+        if per_rank is not None and (not isinstance(per_rank, int) or per_rank < 1):
+            raise ValueError(f"stages_per_rank must be an integer >= 1, got {per_rank!r}")
+        if self.schedule == "interleaved_1f1b" and per_rank == 1:
+            raise ValueError("schedule 'interleaved_1f1b' needs stages_per_rank >= 2; "
+                             "use schedule '1f1b' for one stage per rank")
+        if self.schedule != "interleaved_1f1b" and per_rank not in (None, 1):
+            raise ValueError(f"stages_per_rank={per_rank} needs schedule 'interleaved_1f1b'")
         points = self.split_points
         if points is not None and (
             not all(isinstance(p, int) and p > 0 for p in points)
@@ -101,17 +110,10 @@ class PipelineOptions:
                 f"split_points must be increasing positive child indices, got {points!r}"
             )
 
-
-def stage_layers(model: nn.Sequential, num_stages: int, stage_index: int,
-                 split_points: tuple[int, ...] | None) -> nn.Sequential:
-    """This stage's children of ``model``, keeping their names (so checkpoints use full FQNs)."""
-    children = list(model.named_children())
-    if split_points is None:
-        stages = block_ranges([sum(p.numel() for p in c.parameters()) for _, c in children],
-                              num_stages)
-    else:
-        stages = ranges_from_points(len(children), num_stages, tuple(split_points), kind="start")
-    return nn.Sequential(OrderedDict(children[i] for i in stages[stage_index]))
+    @property
+    def num_local_stages(self) -> int:
+        """Stages each rank runs."""
+        return self.stages_per_rank or (2 if self.schedule == "interleaved_1f1b" else 1)
 
 
 class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation, Compiles):
@@ -143,6 +145,10 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
             raise ValueError("fsdp offload inside a pipeline is not supported; "
                              "use offload=False")
         self.mesh = ParallelMesh(degrees, topology)
+        if self.options.num_local_stages > 1 and (degrees.shard_degree > 1
+                                                  or degrees.tensor_degree > 1):
+            raise ValueError("schedule 'interleaved_1f1b' with sharded or tensor-parallel "
+                             "stages is not supported yet; use schedule '1f1b'")
         self.active = degrees.pipeline_degree > 1
         # Parameters become DTensors: gradients and norms go through DTensor collectives.
         self.dtensor_stages = self.active and (degrees.shard_degree > 1
@@ -186,11 +192,13 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         names = parameter_names(model)
         if self.active:
             stages = self.mesh.degrees.pipeline_degree
-            stage = self._stage(model, stages)
-            self._split_stage(stage)
+            parts = self._stage(model, stages)
+            self._split_stage(parts.whole)
             if self.data_parallel_size > 1:
                 self.mesh.data_parallel_group  # noqa: B018  (collective: built now, by all)
-            model = PipelineModule(stage, stage_index=self.mesh.pipeline_rank, num_stages=stages,
+            model = PipelineModule(parts.whole, chunks=parts.chunks,
+                                   stage_indices=self._stage_indices(stages),
+                                   num_stages=stages * self.options.num_local_stages,
                                    group=self.mesh.group("pipeline"), device=self.topology.device,
                                    schedule=self.options.schedule,
                                    num_microbatches=self.options.num_microbatches,
@@ -222,9 +230,16 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
                              "supported yet; use compile=False")
         super().configure_compile(options)
 
-    def _stage(self, model: nn.Module, stages: int) -> nn.Module:
+    def _stage_indices(self, ranks: int) -> list[int]:
+        # Looped placement (as torch.distributed.pipelining expects): rank r runs stages
+        # r, r + p, r + 2p, ...
+        return [self.mesh.pipeline_rank + k * ranks for k in range(self.options.num_local_stages)]
+
+    def _stage(self, model: nn.Module, ranks: int) -> StageParts:
+        stages, indices = ranks * self.options.num_local_stages, self._stage_indices(ranks)
         if isinstance(model, nn.Sequential):
-            return stage_layers(model, stages, self.mesh.pipeline_rank, self.options.split_points)
+            return stage_layers(model, num_stages=stages, stage_indices=indices,
+                                split_points=self.options.split_points)
         layout = layout_of(model)
         if layout is None:
             raise ValueError(
@@ -232,7 +247,7 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
                 f"pipeline_layout() method; {type(model).__name__} has neither. Express it as "
                 "nn.Sequential of its blocks or describe it with a PipelineLayout"
             )
-        return split_model(model, layout, num_stages=stages, stage_index=self.mesh.pipeline_rank,
+        return split_model(model, layout, num_stages=stages, stage_indices=indices,
                            split_points=self.options.split_points, device=self.topology.device,
                            agree=self._agree)
 
