@@ -59,7 +59,12 @@ from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
 from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
 from paratrain.strategies.tensor.plan import resolve_plan
-from paratrain.strategies.tensor.strategy import TPOptions, apply_tp, global_grad_norm
+from paratrain.strategies.tensor.strategy import (
+    TPOptions,
+    apply_tp,
+    global_grad_norm,
+    scale_gradients,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -378,9 +383,7 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         squares = global_grad_norm(params).to(self.topology.device, torch.float64) ** 2
         dist.all_reduce(squares, group=self.mesh.group("pipeline"))
         norm = squares.sqrt().float()
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coefficient)
+        scale_gradients(params, norm, max_norm)
         return norm
 
     def teardown(self) -> None:

@@ -122,6 +122,16 @@ def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     return torch.stack(squares).sum().sqrt()
 
 
+def scale_gradients(params: Iterable[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """Clip ``params``' gradients to ``max_norm`` given their global ``norm``.
+
+    A plain 0-dim coefficient scales DTensor and plain gradients alike, with no host sync.
+    """
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coefficient)
+
+
 class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
                  PrecisionPolicy):
     """Tensor parallel over every rank (``tp``); :class:`FSDPTPStrategy` adds FSDP."""
@@ -194,10 +204,7 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
         total = global_grad_norm(params)
-        # A plain 0-dim tensor scales DTensor and plain gradients alike: no host sync.
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in params:
-            p.grad.mul_(coefficient)
+        scale_gradients(params, total, max_norm)
         return total
 
 
