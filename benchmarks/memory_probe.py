@@ -6,10 +6,12 @@ columns are counted the same way.
 
 from __future__ import annotations
 
+import contextlib
 import resource
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -30,6 +32,28 @@ def local_bytes(tensors: Iterable[Any]) -> int:
 def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes of the optimizer state this rank holds (moments, not step counters)."""
     return local_bytes(v for s in optimizer.state.values() for v in s.values())
+
+
+@contextlib.contextmanager
+def saved_activations(parameters: Iterable[Any]) -> Iterator[list[int]]:
+    """Count the bytes autograd saves for backward inside the block (activations, this
+    rank's part of them; each storage once, parameters excluded). Yields a one-item list
+    that holds the total when the block ends."""
+    skip = {local.untyped_storage().data_ptr() for local in
+            (p.to_local() if hasattr(p, "to_local") else p for p in parameters)}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    total = [0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield total
+    total[0] = sum(seen.values())
 
 
 def max_rss() -> int:

@@ -10,8 +10,8 @@ from paratrain.distributed.partition import balanced_split
 from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.pipeline.deferred import Deferred, Node
-from paratrain.strategies.pipeline.module import microbatches_for
 from paratrain.strategies.pipeline.layout import stage_layers
+from paratrain.strategies.pipeline.module import microbatches_for
 from paratrain.strategies.pipeline.strategy import PipelineOptions
 from paratrain.testing.reference import synthetic_classification
 

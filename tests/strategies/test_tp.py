@@ -10,6 +10,12 @@ import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.tensor.plan import automatic_plan, resolve_plan
+from paratrain.strategies.tensor.sequence import (
+    apply_loss_parallel,
+    block_container,
+    find_output_layer,
+    sequence_parallel_styles,
+)
 from paratrain.strategies.tensor.strategy import FSDPTPOptions, TPOptions
 
 VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
@@ -86,12 +92,16 @@ def train(strategy, options, global_batch=8, checkpoint_dir=None, resume=None):
         run.backward(loss)
         run.step(optimizer)
         losses.append(strategy.all_reduce(loss.detach(), "mean").item())
+    # Exact evaluation; under loss_parallel the logits are vocabulary-sharded DTensors.
+    held_out = run.eval_loader(tokens(12), batch_size=4)
+    evaluation = run.evaluate(model, held_out, loss_fn=lambda out, y: F.cross_entropy(
+        out.flatten(0, 1), y.flatten(), reduction="sum"))
     saved = run.save(checkpoint_dir) if checkpoint_dir else None
     state = (strategy.full_state_dict(model) if isinstance(strategy, ShardedState)
              else model.state_dict())
     params = {k: v.detach().clone() for k, v in state.items()}
     run.close()
-    return {"losses": losses, "params": params, "saved": saved}
+    return {"losses": losses, "params": params, "saved": saved, "evaluation": evaluation}
 
 
 def worker(rank, world_size, strategy, options, checkpoint_dir=None):
@@ -101,6 +111,9 @@ def worker(rank, world_size, strategy, options, checkpoint_dir=None):
 def assert_matches(result, reference):
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
                                atol=1e-5, rtol=1e-5)
+    assert result["evaluation"]["count"] == reference["evaluation"]["count"] == 12 * SEQ
+    for key in ("loss", "accuracy"):
+        assert result["evaluation"][key] == pytest.approx(reference["evaluation"][key], abs=1e-5)
     assert result["params"].keys() == reference["params"].keys()
     for key, value in reference["params"].items():
         torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-5)
@@ -146,10 +159,66 @@ def test_tp2_matches_single_and_resumes_under_single(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_x_tp_on_four_ranks_matches_single(reference):
-    results = spawn(worker, 4, "fsdp_tp", {"tensor_degree": 2}, timeout=300)
+def test_tp2_with_sequence_and_loss_parallel_matches_single(reference):
+    results = spawn(worker, 2, "tp", {"sequence_parallel": True, "loss_parallel": True},
+                    timeout=240)
     for result in results:
         assert_matches(result, reference)
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_with_sequence_and_loss_parallel_on_four_ranks_matches_single(reference):
+    # Plain fsdp_tp on four ranks runs in tests/test_examples.py (the GPT example).
+    options = {"tensor_degree": 2, "sequence_parallel": True, "loss_parallel": True}
+    results = spawn(worker, 4, "fsdp_tp", options, timeout=300)
+    for result in results:
+        assert_matches(result, reference)
+
+
+def test_sequence_parallel_shards_norms_and_gathers_once_per_attention_module():
+    plan = automatic_plan(TinyGPT())
+    owner, blocks = block_container(TinyGPT(), plan)
+    assert (owner, blocks) == ("blocks", ["blocks.0", "blocks.1"])
+    styles, gathered = sequence_parallel_styles(TinyGPT(), plan, blocks)
+    kinds = {name: type(style).__name__ for name, style in styles.items()}
+    assert kinds["blocks.0.ln1"] == kinds["blocks.1.ln2"] == "SequenceParallel"
+    # attn is called as a module: gathered once for q, k and v. The MLP is a ModuleDict
+    # the block calls into, so fc gathers its own input.
+    assert gathered == ["blocks.0.attn", "blocks.1.attn"]
+    assert "Shard(dim=1)" in repr(styles["blocks.0.mlp.fc"].input_layouts)
+    assert "Replicate" in repr(styles["blocks.0.attn.q"].input_layouts)
+    assert "Shard(dim=1)" in repr(styles["blocks.1.attn.proj"].output_layouts)
+    assert "tok" not in kinds and "ln" not in kinds and "head" not in kinds
+    assert sum(kind == "SequenceParallel" for kind in kinds.values()) == 4
+
+
+def test_sequence_and_loss_parallel_bad_input_is_named():
+    model = TinyGPT()
+    with pytest.raises(ValueError, match="'blocks.1' has no planned layer"):
+        block_container(model, {"blocks.0.attn.q": "colwise"})
+    with pytest.raises(ValueError, match="'head' is not in one"):
+        block_container(model, {"head": "colwise"})
+    with pytest.raises(ValueError, match="output_layer is only used with loss_parallel=True"):
+        TPOptions(output_layer="head")
+    with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
+        FSDPTPOptions(sequence_parallel="yes")
+    assert find_output_layer(model, None) == "head"
+    with pytest.raises(ValueError, match="output_layer 'ln' is LayerNorm"):
+        find_output_layer(model, "ln")
+    model.head = nn.Identity()
+    with pytest.raises(ValueError, match="output_layer 'head' is Identity"):
+        find_output_layer(model, None)
+    del model.head
+    with pytest.raises(ValueError, match="no output layer named head, lm_head, output"):
+        find_output_layer(model, None)
+
+    class ThreeRanks:
+        def size(self):
+            return 3
+
+    with pytest.raises(ValueError, match="head.out_features=32 is not divisible by the tensor "
+                                         "degree 3; pad the vocabulary"):
+        apply_loss_parallel(TinyGPT(), ThreeRanks(), "head")
 
 
 def test_one_process_runs_as_single_and_degrees_are_checked_once():

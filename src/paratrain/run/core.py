@@ -33,6 +33,7 @@ from paratrain.config import RunConfig
 from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler
 from paratrain.distributed import _compat
+from paratrain.distributed.dtensor import whole
 from paratrain.distributed.process_group import destroy_process_group
 from paratrain.losses import GlobalCount
 from paratrain.reliability import signals
@@ -287,8 +288,9 @@ class Run(TrainStep):
             out = self.precision.forward(module, x)
             if not counted:
                 continue
-            totals[0] += loss_fn(out.float(), y).double()
-            totals[1] += (out.argmax(dim=-1) == y).sum()
+            # whole(): vocabulary-sharded logits (tp's loss_parallel) are DTensors.
+            totals[0] += whole(loss_fn(out.float(), y)).double()
+            totals[1] += (whole(out.argmax(dim=-1)) == y).sum()
             totals[2] += y.numel()
         module.train(was_training)
         loss_sum, correct, count = self.strategy.all_reduce(totals, "sum").tolist()

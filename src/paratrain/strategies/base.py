@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.distributed.dtensor import whole
 from paratrain.distributed.topology import Topology
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -116,7 +117,8 @@ class Strategy:
     # -- collectives over the data-parallel group ------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` (a copy) across data-parallel ranks; ``op`` is sum, mean, max or min."""
-        result = tensor.detach().clone()
+        # whole(): a loss over vocabulary-sharded logits (tp's loss_parallel) is a DTensor.
+        result = whole(tensor).detach().clone()
         if self.data_parallel_size > 1:
             reduce_op = _REDUCE_OPS["sum" if op == "mean" else op]
             dist.all_reduce(result, op=reduce_op, group=self.data_parallel_group)
@@ -126,7 +128,7 @@ class Strategy:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack ``tensor`` from every data-parallel rank along a new first dimension."""
-        tensor = tensor.detach().contiguous()
+        tensor = whole(tensor).detach().contiguous()
         if self.data_parallel_size == 1:
             return tensor.unsqueeze(0)
         parts = [torch.empty_like(tensor) for _ in range(self.data_parallel_size)]

@@ -27,6 +27,7 @@ __all__ = ["DTensorParameters", "gradient_sync_disabled", "mixed_precision_polic
            "shard_units"]
 
 
+
 def mixed_precision_policy(precision: Any, *, refuse_fp16: str) -> Any:
     """FSDP2's policy for the run's precision: gathered parameters in the compute dtype,
     gradients reduced in float32; None without autocast.

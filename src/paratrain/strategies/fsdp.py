@@ -22,6 +22,7 @@ from torch import nn
 
 from paratrain.checkpoint.sharded import parameter_names
 from paratrain.compile import compile_forward
+from paratrain.distributed.dtensor import whole
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
@@ -177,4 +178,4 @@ class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         norm = nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
         # The norm of sharded gradients is a DTensor; callers want a plain number.
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return whole(norm)

@@ -16,7 +16,8 @@ Without a user plan, :func:`automatic_plan` finds the linear layers of standard
 transformer blocks by their names (:data:`COLWISE_NAMES`, :data:`ROWWISE_NAMES`) inside
 a ``ModuleList``/``ModuleDict`` of blocks; embeddings, norms and the output layer stay
 replicated. Sequence parallel (norms sharded over the sequence) and loss parallel (a
-sharded output layer) are not offered.
+sharded output layer) are strategy options on top of a plan, see
+:mod:`paratrain.strategies.tensor.sequence`.
 
 Example:
     >>> from torch import nn
@@ -64,8 +65,8 @@ def validate_plan(plan: Any) -> None:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError(f"plan pattern must be a non-empty string, got {pattern!r}")
         if style not in STYLES:
-            hint = ("; sequence parallel is not supported, leave norms out of the plan"
-                    if style == "sequence" else "")
+            hint = ("; norms are sharded by strategy_options={'sequence_parallel': True}, "
+                    "leave them out of the plan" if style == "sequence" else "")
             raise ValueError(f"plan[{pattern!r}] has style {style!r}; choose one of "
                              f"{', '.join(STYLES)}{hint}")
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.checkpoint.sharded import parameter_names
+from paratrain.distributed.dtensor import whole
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
@@ -47,6 +48,13 @@ from paratrain.strategies.tensor.plan import (
     shard_heads,
     validate_plan,
 )
+from paratrain.strategies.tensor.sequence import (
+    apply_loss_parallel,
+    apply_sequence_parallel,
+    block_container,
+    find_output_layer,
+    loss_parallel_context,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,8 +65,28 @@ class TPOptions:
     """``{glob over module names: "colwise" | "rowwise"}``; None: the automatic plan for
     standard transformer blocks (see :mod:`paratrain.strategies.tensor.plan`)."""
 
+    sequence_parallel: bool = False
+    """Shard the residual stream and the blocks' norms over the sequence between the split
+    layers (see :mod:`paratrain.strategies.tensor.sequence`)."""
+
+    loss_parallel: bool = False
+    """Split the output layer over the vocabulary and keep its logits sharded (a DTensor);
+    ``F.cross_entropy`` on them works as written."""
+
+    output_layer: str | None = None
+    """The output linear loss parallel splits; None: the top-level ``head``, ``lm_head`` or
+    ``output``."""
+
     def __post_init__(self) -> None:
         validate_plan(self.plan)
+        for field in ("sequence_parallel", "loss_parallel"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be True or False, got {getattr(self, field)!r}")
+        if self.output_layer is not None and (not isinstance(self.output_layer, str)
+                                              or not self.output_layer):
+            raise ValueError(f"output_layer must be a module name, got {self.output_layer!r}")
+        if self.output_layer is not None and not self.loss_parallel:
+            raise ValueError("output_layer is only used with loss_parallel=True; set both")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +108,10 @@ class FSDPTPOptions(TPOptions):
                              f"{self.reshard_after_forward!r}")
 
 
-def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
-    """Split ``plan``'s linears over ``tp_mesh`` and divide the head counts to match."""
+def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str], *,
+             sequence_parallel: bool = False) -> None:
+    """Split ``plan``'s linears over ``tp_mesh`` (with the residual stream sharded over the
+    sequence if asked) and divide the head counts to match."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -90,8 +120,12 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
 
     degree = tp_mesh.size()
     check_divisible(model, plan, degree)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in plan.items()})
+    if sequence_parallel:
+        apply_sequence_parallel(model, tp_mesh, plan)
+    else:
+        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        parallelize_module(model, tp_mesh,
+                           {name: styles[style]() for name, style in plan.items()})
     shard_heads(model, plan, degree)
 
 
@@ -118,7 +152,7 @@ def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     squares = []
     for grads in groups.values():
         norm = nn.utils.get_total_norm(grads)
-        squares.append((norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2)
+        squares.append(whole(norm) ** 2)
     return torch.stack(squares).sum().sqrt()
 
 
@@ -145,6 +179,8 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
         self.mesh = ParallelMesh(self._degrees(topology), topology)
         self.active = topology.is_distributed
         self._mp_policy: Any = None
+        # Holds torch's loss_parallel() from setup_model to teardown (loss_parallel=True).
+        self._loss_context = contextlib.ExitStack()
         self._names: dict[int, str] = {}
         self._params: dict[str, nn.Parameter] = {}
 
@@ -179,8 +215,16 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
         model = model.to(self.topology.device)
         names = parameter_names(model)
         plan = resolve_plan(model, self.options.plan)  # a bad plan fails in every process
+        if self.options.sequence_parallel:
+            block_container(model, plan)
+        output_layer = (find_output_layer(model, self.options.output_layer)
+                        if self.options.loss_parallel else None)
         if self.active:
-            apply_tp(model, self.mesh.submesh("tensor"), plan)
+            tp_mesh = self.mesh.submesh("tensor")
+            apply_tp(model, tp_mesh, plan, sequence_parallel=self.options.sequence_parallel)
+            if output_layer is not None:
+                apply_loss_parallel(model, tp_mesh, output_layer)
+                self._loss_context.enter_context(loss_parallel_context())
             self._shard_data_parallel(model)
         self._remember(model, names)
         return model
@@ -206,6 +250,10 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
         total = global_grad_norm(params)
         scale_gradients(params, total, max_norm)
         return total
+
+    def teardown(self) -> None:
+        self._loss_context.close()
+        super().teardown()
 
 
 class FSDPTPStrategy(TPStrategy):
