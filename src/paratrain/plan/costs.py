@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from paratrain.distributed.partition import balanced_split
 from paratrain.plan.comm import (
@@ -30,9 +29,6 @@ from paratrain.plan.comm import (
 )
 from paratrain.plan.types import Hardware, ModelProfile
 
-if TYPE_CHECKING:
-    from paratrain.distributed.mesh import ParallelDegrees
-
 __all__ = ["DDP", "DP", "FSDP", "FSDP_TP", "HYBRID", "MP", "PIPELINE", "PS", "SINGLE", "TP", "ZERO1",
            "ZERO2", "Cost", "CostModel", "PlanOptions"]
 
@@ -45,8 +41,6 @@ class PlanOptions:
     num_microbatches: int | None = None
     overlap: float = 1.0
     bucket_bytes: float = DEFAULT_BUCKET_BYTES
-    layout: ParallelDegrees | None = None
-    """``hybrid``'s degrees (see :mod:`paratrain.plan.layouts`); None: its default HSDP."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,11 +140,6 @@ def _fsdp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions, *,
 
 
 def _hybrid(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
-    if o.layout is not None:
-        # Imported here: the layouts are built from this module's pieces.
-        from paratrain.plan.layouts import layout_cost
-
-        return layout_cost(pr, hw, b, o, o.layout)
     # The default layout (HSDP): FSDP within each node, replicas across nodes. Per layer,
     # parameters are all-gathered and gradients reduce-scattered over the node's n devices,
     # then each 1/n shard of the gradients is all-reduced over the k nodes; overlap as FSDP.
@@ -337,7 +326,7 @@ ZERO1 = CostModel(sharding=("1", "1", "N"), cost=_zero1)
 ZERO2 = CostModel(sharding=("1", "N", "N"), cost=_zero2)  # whole parameters from forward to backward
 FSDP = CostModel(sharding=("N", "N", "N"), cost=_fsdp)
 PIPELINE = CostModel(sharding=("N", "N", "N"), cost=_pipeline)  # each stage holds 1/p of the layers
-# The default layout (HSDP) unless PlanOptions.layout names one.
+# The default layout (HSDP); paratrain.plan.layouts costs the others.
 HYBRID = CostModel(sharding=("N", "N", "N"), cost=_hybrid)
 # Only the split layers are divided by the tensor degree; counting every parameter as
 # split underestimates memory by the replicated embeddings, norms and head.

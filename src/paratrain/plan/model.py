@@ -20,6 +20,7 @@ from paratrain.plan.costs import PlanOptions
 from paratrain.plan.layouts import (
     candidate_layouts,
     default_layout,
+    layout_cost,
     layout_dict,
     resolve_layout,
 )
@@ -86,9 +87,12 @@ def predict(
     if not entry.modelled:
         return _not_modelled(strategy, entry.not_modelled, hardware, b)
     model = entry.load_cost_model()
-    c = model.cost(profile, hardware, b, PlanOptions(
-        num_servers=num_servers, num_microbatches=num_microbatches, overlap=overlap,
-        bucket_bytes=bucket_bytes, layout=degrees))
+    options = PlanOptions(num_servers=num_servers, num_microbatches=num_microbatches,
+                          overlap=overlap, bucket_bytes=bucket_bytes)
+    # hybrid's cost model is its default layout; a given layout is costed here, as the
+    # layouts build on the cost models (and the table names one model per strategy).
+    c = (model.cost(profile, hardware, b, options) if degrees is None
+         else layout_cost(profile, hardware, b, options, degrees))
     # The devices (or servers) that share the optimizer step run their parts at once.
     opt = profile.optimizer_step_time / c.optimizer_divisor
     step = c.compute + c.exposed + c.bubble + opt
