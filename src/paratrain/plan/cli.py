@@ -17,6 +17,7 @@ from typing import Any
 from paratrain.config import PRECISIONS
 from paratrain.plan.calibration import calibrate, default_model
 from paratrain.plan.device import device_memory, device_name, select_device
+from paratrain.plan.layouts import parse_layout, resolve_layout
 from paratrain.plan.links import PRESETS, link_preset, resolve_links
 from paratrain.plan.model import STRATEGIES
 from paratrain.plan.report import PlanReport
@@ -107,6 +108,9 @@ def _build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {','.join(STRATEGIES)}")
     p.add_argument("--num-servers", type=_POS_INT, default=1, help="parameter servers for ps")
     p.add_argument("--microbatches", type=_POS_INT, help="pipeline micro-batches (default 4 x stages)")
+    p.add_argument("--layout", type=_arg_type(parse_layout), metavar="pp=P,dp_shard=S,...",
+                   help="cost hybrid in this layout (pp, dp_replicate, dp_shard, tp; the "
+                   "others inferred as hybrid infers them; default: its best layout)")
     p.add_argument("--overlap", type=_arg_type(float, lambda v: 0 <= v <= 1, "in [0, 1]"),
                    default=1.0, help="share of backward that hides gradient communication")
     p.add_argument("--repeats", type=_POS_INT, default=3, help="timed calibration passes")
@@ -226,12 +230,20 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             gpu_name=device_name(device) if on_gpu else None)
     except ValueError as exc:
         raise _UsageError(f"--{exc}") from None
+    if args.layout is not None and "hybrid" not in strategies:
+        raise _UsageError("--layout: it costs strategy hybrid, which --strategies leaves out")
     memory = args.device_memory if args.device_memory is not None else device_memory(device)
     hardware = Hardware(
         intra_node_bandwidth=links.intra_bandwidth, intra_node_latency=links.intra_latency,
         inter_node_bandwidth=links.inter_bandwidth, inter_node_latency=links.inter_latency,
         device_memory_bytes=memory, num_devices_per_node=args.devices_per_node,
         num_nodes=args.nodes[0])
+    for nodes in args.nodes if args.layout is not None else ():
+        try:
+            resolve_layout(args.layout, replace(hardware, num_nodes=nodes))
+        except ValueError as exc:
+            raise _UsageError(f"--layout: {exc} ({nodes} node(s) x {args.devices_per_node} "
+                              "devices)") from None
     calibration = ("not calibrated (--num-parameters)" if args.num_parameters is not None else
                    f"{device_name(device) if on_gpu else 'this CPU'} ({device}), precision "
                    f"{args.precision}")
@@ -239,7 +251,7 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         reports = plan_scaling(_profile(args, device), hardware, args.nodes,
                                batch_size_per_device=args.batch_size, strategies=strategies,
                                num_servers=args.num_servers, num_microbatches=args.microbatches,
-                               overlap=args.overlap)
+                               overlap=args.overlap, layout=args.layout)
     except ValueError as exc:
         flag = "--microbatches" if "num_microbatches" in str(exc) else "input"
         raise _UsageError(f"{flag}: {exc}") from None

@@ -251,21 +251,17 @@ def _mp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
                 traffic=2 * sent, note=note)
 
 
-def _pipeline(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
-    # p stages = all devices; the mini-batch is b * p samples (same global batch as DDP),
-    # split into m micro-batches.
-    p = hw.world_size
-    batch = b * p
+def _microbatches(o: PlanOptions, p: int, batch: int) -> int:
     m = min(4 * p, batch) if o.num_microbatches is None else o.num_microbatches
     if m > batch:
         raise ValueError(f"num_microbatches ({m}) must not exceed the mini-batch of {batch} samples")
-    layers = len(pr.chain) or pr.num_layers
-    if layers < p:
-        return Cost(devices=p, batch=batch, compute=b * pr.step_compute_time_per_sample,
-                    applicable=False, note=f"needs >= {p} layers, model has {layers}",
-                    optimizer_divisor=p)
-    micro = batch / m
-    shares = [1.0 / p] * p  # of the model's compute, per stage
+    return m
+
+
+def _stage_split(pr: ModelProfile, p: int, micro: float) -> tuple[list[float], float]:
+    """Each of ``p`` stages' share of the compute, and the bytes of one micro-batch of
+    ``micro`` samples crossing the busiest stage boundary."""
+    shares = [1.0 / p] * p
     if pr.chain and p > 1:
         # Cut as the pipeline strategy cuts (balanced parameters); the largest crossing
         # tensor sets the pace of the boundary transfers.
@@ -277,24 +273,46 @@ def _pipeline(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
             shares = [sum(pr.chain_times[lo:hi]) / total for lo, hi in zip(bounds, bounds[1:])]
     else:
         boundary = micro * pr.activation_bytes_per_sample / pr.num_layers
-    # One stage's forward + backward of one micro-batch. Parameters balance the cut, not
-    # compute: the slowest stage sets the pace.
-    stage = [micro * pr.step_compute_time_per_sample * share for share in shares]
-    slot_max, slot_sum = max(stage), sum(stage)
-    bw, lat = _slowest_link(hw)  # the slowest stage boundary sets the pace
-    p2p = 0.0 if p == 1 else lat + boundary / bw  # activation forward or its gradient backward
+    return shares, boundary
+
+
+def _pipeline_step(slots: list[float], p2p: float, m: int, overlap: float) -> float:
+    """One step of ``m`` micro-batches through stages taking ``slots`` seconds each per
+    micro-batch, ``p2p`` seconds per boundary transfer."""
     # The first micro-batch passes every stage and crosses every boundary forward and back
     # with nothing to hide behind (fill and drain). In the steady state a stage computes
     # the next micro-batch while its sends are in flight, and activations and gradients
     # use the two directions of the link, so each further micro-batch costs
     # max(slowest stage, one transfer) when sends overlap compute and the slowest stage
     # plus both transfers when they do not.
+    slot_max, slot_sum = max(slots), sum(slots)
     hidden = max(slot_max, p2p)
     serial = slot_max + 2 * p2p
-    per_micro = o.overlap * hidden + (1 - o.overlap) * serial
-    busy = slot_sum + (m - 1) * slot_max  # the step without transfers
-    step = slot_sum + 2 * (p - 1) * p2p + (m - 1) * per_micro
-    compute = m * slot_sum / p  # one device's work, on average
+    per_micro = overlap * hidden + (1 - overlap) * serial
+    return slot_sum + 2 * (len(slots) - 1) * p2p + (m - 1) * per_micro
+
+
+def _pipeline(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
+    # p stages = all devices; the mini-batch is b * p samples (same global batch as DDP),
+    # split into m micro-batches.
+    p = hw.world_size
+    batch = b * p
+    m = _microbatches(o, p, batch)
+    layers = len(pr.chain) or pr.num_layers
+    if layers < p:
+        return Cost(devices=p, batch=batch, compute=b * pr.step_compute_time_per_sample,
+                    applicable=False, note=f"needs >= {p} layers, model has {layers}",
+                    optimizer_divisor=p)
+    micro = batch / m
+    shares, boundary = _stage_split(pr, p, micro)
+    # One stage's forward + backward of one micro-batch. Parameters balance the cut, not
+    # compute: the slowest stage sets the pace.
+    stage = [micro * pr.step_compute_time_per_sample * share for share in shares]
+    bw, lat = _slowest_link(hw)  # the slowest stage boundary sets the pace
+    p2p = 0.0 if p == 1 else lat + boundary / bw  # activation forward or its gradient backward
+    busy = sum(stage) + (m - 1) * max(stage)  # the step without transfers
+    step = _pipeline_step(stage, p2p, m, o.overlap)
+    compute = m * sum(stage) / p  # one device's work, on average
     return Cost(devices=p, batch=batch, compute=compute, comm=2 * m * p2p,
                 exposed=max(0.0, step - busy), bubble=busy - compute,
                 bubble_fraction=(busy - compute) / busy if busy > 0 else 0.0,
@@ -308,8 +326,7 @@ ZERO1 = CostModel(sharding=("1", "1", "N"), cost=_zero1)
 ZERO2 = CostModel(sharding=("1", "N", "N"), cost=_zero2)  # whole parameters from forward to backward
 FSDP = CostModel(sharding=("N", "N", "N"), cost=_fsdp)
 PIPELINE = CostModel(sharding=("N", "N", "N"), cost=_pipeline)  # each stage holds 1/p of the layers
-# Only hybrid's default layout: pipeline_degree and shard_degree are strategy options the
-# planner does not take.
+# The default layout (HSDP); paratrain.plan.layouts costs the others.
 HYBRID = CostModel(sharding=("N", "N", "N"), cost=_hybrid)
 # Only the split layers are divided by the tensor degree; counting every parameter as
 # split underestimates memory by the replicated embeddings, norms and head.

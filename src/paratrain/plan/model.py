@@ -11,10 +11,21 @@ compute comes from a :class:`ModelProfile` (usually measured by
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from paratrain.distributed.mesh import ParallelDegrees
 from paratrain.plan.comm import DEFAULT_BUCKET_BYTES
 from paratrain.plan.costs import PlanOptions
+from paratrain.plan.layouts import (
+    candidate_layouts,
+    default_layout,
+    layout_cost,
+    layout_dict,
+    resolve_layout,
+)
 from paratrain.plan.memory import memory_per_device
-from paratrain.plan.report import PlanReport, recommend
+from paratrain.plan.report import TIE_MARGIN, PlanReport, recommend
 from paratrain.plan.types import (
     Hardware,
     ModelProfile,
@@ -24,7 +35,7 @@ from paratrain.plan.types import (
 )
 from paratrain.strategies.table import strategy_entry, strategy_names
 
-__all__ = ["STRATEGIES", "plan", "predict"]
+__all__ = ["STRATEGIES", "best_layout", "plan", "predict"]
 
 #: Every strategy ``Run`` accepts, in the table's order (the order they are reported).
 STRATEGIES: tuple[str, ...] = strategy_names()
@@ -51,13 +62,18 @@ def predict(
     strategy: str, profile: ModelProfile, hardware: Hardware, *, batch_size_per_device: int,
     num_servers: int = 1, num_microbatches: int | None = None, overlap: float = 1.0,
     bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    layout: ParallelDegrees | Mapping[str, int] | None = None,
 ) -> Prediction:
     """Predict one strategy with its cost model; see :func:`plan` for the arguments.
 
     A strategy the table marks not modelled gets ``modelled=False``, zeros and the
-    reason in ``note``.
+    reason in ``note``. ``layout`` (``hybrid`` only): the degrees to cost, or some of them
+    with the rest inferred as the runtime infers them; None: ``hybrid``'s default HSDP.
     """
     _check_names([strategy])
+    if layout is not None and strategy != "hybrid":
+        raise ValueError(f"layout applies to strategy 'hybrid' only, not {strategy!r}")
+    degrees = None if layout is None else resolve_layout(layout, hardware)
     check_positive_int("batch_size_per_device", batch_size_per_device)
     check_positive_int("num_servers", num_servers)
     if num_microbatches is not None:
@@ -71,9 +87,12 @@ def predict(
     if not entry.modelled:
         return _not_modelled(strategy, entry.not_modelled, hardware, b)
     model = entry.load_cost_model()
-    c = model.cost(profile, hardware, b, PlanOptions(
-        num_servers=num_servers, num_microbatches=num_microbatches, overlap=overlap,
-        bucket_bytes=bucket_bytes))
+    options = PlanOptions(num_servers=num_servers, num_microbatches=num_microbatches,
+                          overlap=overlap, bucket_bytes=bucket_bytes)
+    # hybrid's cost model is its default layout; a given layout is costed here, as the
+    # layouts build on the cost models (and the table names one model per strategy).
+    c = (model.cost(profile, hardware, b, options) if degrees is None
+         else layout_cost(profile, hardware, b, options, degrees))
     # The devices (or servers) that share the optimizer step run their parts at once.
     opt = profile.optimizer_step_time / c.optimizer_divisor
     step = c.compute + c.exposed + c.bubble + opt
@@ -93,6 +112,8 @@ def predict(
         optimizer_memory=memory.optimizer_memory, activation_memory=memory.activation_memory,
         memory_bytes=mem, fits=None if limit is None else mem <= limit,
         applicable=c.applicable, note=c.note, optimizer_time=opt,
+        layout=(layout_dict(degrees or default_layout(hardware)) if strategy == "hybrid"
+                else None),
     )
 
 
@@ -101,6 +122,7 @@ def plan(
     strategies: list[str] | tuple[str, ...] | None = None, num_servers: int = 1,
     num_microbatches: int | None = None, overlap: float = 1.0,
     bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+    layout: ParallelDegrees | Mapping[str, int] | None = None, search_layouts: bool = True,
 ) -> PlanReport:
     """Predict every strategy in ``strategies`` (default: all of :data:`STRATEGIES`) and
     recommend the fastest modelled one that fits (near-ties go to the earlier in the table).
@@ -109,20 +131,51 @@ def plan(
     (default 4 x stages, capped at the mini-batch). ``overlap``: share of backward time
     that can hide gradient communication (1.0 = all of it except the last bucket).
     ``bucket_bytes``: DDP bucket size, i.e. the communication that cannot be hidden.
+    ``layout``: cost ``hybrid`` in these degrees (see :func:`predict`). Without one and
+    with ``search_layouts``, ``hybrid``'s row is its best layout (:func:`best_layout`).
     """
     names = list(STRATEGIES if strategies is None else strategies)
     if not names:
         raise ValueError("strategies must name at least one strategy")
     _check_names(names)
     names = list(dict.fromkeys(names))  # drop duplicates, keep order
-    preds = [predict(s, profile, hardware, batch_size_per_device=batch_size_per_device,
-                     num_servers=num_servers, num_microbatches=num_microbatches,
-                     overlap=overlap, bucket_bytes=bucket_bytes)
+    kwargs: dict[str, Any] = dict(
+        batch_size_per_device=batch_size_per_device, num_servers=num_servers,
+        num_microbatches=num_microbatches, overlap=overlap, bucket_bytes=bucket_bytes)
+    preds = [best_layout(profile, hardware, **kwargs)
+             if s == "hybrid" and layout is None and search_layouts
+             else predict(s, profile, hardware, layout=layout if s == "hybrid" else None,
+                          **kwargs)
              for s in names]
     rec, reason = recommend(preds, hardware.device_memory_bytes)
+    given = (None if layout is None else layout_dict(layout)
+             if isinstance(layout, ParallelDegrees) else dict(layout))
     settings = {"strategies": names, "num_servers": num_servers,
                 "num_microbatches": num_microbatches, "overlap": overlap,
-                "bucket_bytes": bucket_bytes}
+                "bucket_bytes": bucket_bytes, "layout": given,
+                "search_layouts": search_layouts and layout is None}
     return PlanReport(profile=profile, hardware=hardware,
                       batch_size_per_device=batch_size_per_device, settings=settings,
                       predictions=preds, recommendation=rec, reason=reason)
+
+
+def best_layout(profile: ModelProfile, hardware: Hardware, **kwargs: Any) -> Prediction:
+    """``hybrid`` in its best layout on ``hardware``: the default HSDP and every layout of
+    :func:`~paratrain.plan.layouts.candidate_layouts`, ranked as :func:`plan` ranks
+    strategies (fastest that fits, near-ties to the default then the simpler layout;
+    nothing fits: least memory). ``kwargs`` as :func:`predict`'s, without ``layout``."""
+    default = default_layout(hardware)
+    rows = [predict("hybrid", profile, hardware, **kwargs)]
+    m, b = kwargs.get("num_microbatches"), kwargs["batch_size_per_device"]
+    for degrees in candidate_layouts(hardware, num_layers=len(profile.chain) or profile.num_layers):
+        if degrees == default or (m is not None and degrees.pipeline_degree > 1
+                                  and m > b * degrees.pipeline_degree):
+            continue  # the default is costed above; too many micro-batches: no such run
+        rows.append(predict("hybrid", profile, hardware, layout=degrees, **kwargs))
+    usable = [p for p in rows if p.applicable] or rows[:1]
+    limit = hardware.device_memory_bytes
+    fitting = [p for p in usable if limit is None or p.fits]
+    if not fitting:
+        return min(usable, key=lambda p: p.memory_bytes)  # the first, simplest, on a tie
+    top = max(p.samples_per_second for p in fitting)
+    return next(p for p in fitting if p.samples_per_second >= top * (1 - TIE_MARGIN))

@@ -173,3 +173,4 @@ class Prediction:
     note: str = ""
     modelled: bool = True  # False: no cost model (the note says why); the numbers are 0
     optimizer_time: float = 0.0  # this device's share of the optimizer step
+    layout: dict[str, int] | None = None  # hybrid: the degrees costed, outermost first
