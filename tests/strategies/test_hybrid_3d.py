@@ -95,6 +95,12 @@ def test_three_axes_are_inferred_and_checked_once():
         HybridOptions(pipeline_degree=2, tensor_degree=3).degrees(topology)
     with pytest.raises(ValueError, match="cannot be inferred"):
         HybridOptions(pipeline_degree=2, shard_degree=2, tensor_degree=4).degrees(topology)
+    from paratrain.strategies import create_strategy
+
+    with pytest.raises(ValueError, match="sequence_parallel and loss_parallel are not supported "
+                                         "on pipeline stages"):
+        create_strategy("hybrid", topology, {"pipeline_degree": 2, "tensor_degree": 2,
+                                             "tensor": {"sequence_parallel": True}})
 
 
 @pytest.mark.slow

@@ -244,3 +244,44 @@ def test_a_head_count_the_degree_does_not_divide_is_named():
         check_divisible(model, {"blocks.0.attn.q": "colwise"}, 8)
     with pytest.raises(ValueError, match="blocks.0.attn.q.out_features=16 is not divisible"):
         check_divisible(model, {"blocks.0.attn.q": "colwise"}, 3)
+
+
+class DropoutGPT(TinyGPT):
+    """Dropout on the residual stream, which every tensor rank holds whole."""
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos
+        for block in self.blocks:
+            x = F.dropout(block(x), p=0.5, training=self.training)
+        return self.head(self.ln(x))
+
+
+def dropout_worker(rank, world_size):
+    run = paratrain.Run(strategy="tp", progress=False, accelerator="cpu", seed=5)
+    torch.manual_seed(0)
+    model = DropoutGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = run.prepare(model, optimizer)
+    losses = []
+    for _, (x, y) in zip(range(STEPS), run.loader(tokens(), batch_size=8)):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        run.backward(loss)
+        run.step(optimizer)
+        losses.append(loss.item())
+    # This rank's own copy of the replicated parameters (no collective that would hide
+    # a difference between the copies).
+    replicated = {name: p.detach().clone() for name, p in model.named_parameters()
+                  if not hasattr(p, "to_local")}
+    run.close()
+    return {"losses": losses, "replicated": replicated}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_peers_draw_the_same_dropout_masks():
+    first, second = spawn(dropout_worker, 2, timeout=240)
+    # Different masks would feed different activations into each rank's half of a layer
+    # and let the replicated embeddings, norms and head drift apart.
+    assert first["losses"] == second["losses"]
+    assert first["replicated"].keys() == second["replicated"].keys() >= {"head.weight", "ln.weight"}
+    for name, value in first["replicated"].items():
+        assert torch.equal(value, second["replicated"][name]), name

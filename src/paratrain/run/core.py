@@ -132,7 +132,8 @@ class Run(TrainStep):
         """Place and wrap ``model`` for the strategy; return ``(model, optimizer)`` or ``model``.
 
         After this, every rank draws different random numbers (dropout, augmentation):
-        the global RNGs are reseeded with ``seed + 1 + rank``.
+        the global RNGs are reseeded with ``seed + 1 + rank``, except that tensor-parallel
+        peers share their lowest peer's rank (``strategy.random_stream_rank``).
         """
         if optimizer is not None:
             misuse.check_optimizer_matches(model, optimizer)
@@ -163,7 +164,7 @@ class Run(TrainStep):
             raise SystemExit(0)
         self._wrap_forward(model)
         self.state.register(model, optimizer, scheduler)
-        seed_everything(self.config.seed + 1 + self.rank)
+        seed_everything(self.config.seed + 1 + self.strategy.random_stream_rank)
         return model if optimizer is None else (model, optimizer)
 
     def loader(self, dataset: Dataset, *, batch_size: int, shuffle: bool = True,

@@ -275,7 +275,8 @@ class RunState:
             checkpoint.set_rng_state(rng[rank])
         else:
             # Another world size: per-rank streams cannot be mapped; derive fresh ones.
-            seed_everything(self._config.seed + 1 + rank + 7919 * self.global_step)
+            seed_everything(self._config.seed + 1 + strategy.random_stream_rank
+                           + 7919 * self.global_step)
         self._resume_checked = True
         self._saved = Path(path).resolve()
 

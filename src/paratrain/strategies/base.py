@@ -66,6 +66,15 @@ class Strategy:
         return self.topology.world_size
 
     @property
+    def random_stream_rank(self) -> int:
+        """The rank whose random stream this rank draws from after ``prepare`` (dropout).
+
+        Tensor-parallel peers share one: between the split layers they hold the same
+        activations, and different dropout masks there would make their copies drift.
+        """
+        return self.topology.rank
+
+    @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """Group over which metrics are reduced; None means the default (world) group."""
         return None

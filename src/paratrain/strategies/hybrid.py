@@ -93,7 +93,7 @@ class HybridOptions:
 
 DELEGATED = (
     # core
-    "data_parallel_rank", "data_parallel_size", "data_parallel_group",
+    "data_parallel_rank", "data_parallel_size", "data_parallel_group", "random_stream_rank",
     "setup_model", "setup_optimizer", "unwrap", "backward", "optimizer_step", "no_sync",
     "clip_grad_norm", "model_state_dict", "load_model_state_dict", "optimizer_state_dict",
     "load_optimizer_state_dict", "all_reduce", "all_gather", "barrier", "gather_rng_states",

@@ -19,11 +19,9 @@ of blocks and a head describe themselves with a ``pipeline_layout()`` (see
 Every stage reads the same batches: the data-parallel size is the number of
 pipeline replicas (1 here, more under ``hybrid``), not the world size.
 
-Under ``hybrid`` a stage can also be split further (the 3-D layout), in torchtitan's
-order: tensor parallel over the mesh's ``tensor`` axis (``parallelize_module``), then
-FSDP2 over its data axes (``fully_shard``, HSDP when both ``replicate`` and ``shard``
-are > 1). The ``torch.distributed.pipelining`` stage drives a sharded stage itself:
-it delays FSDP's gradient reduction to the last micro-batch of a step.
+Under ``hybrid`` a stage can also be split further (the 3-D layout, see
+:mod:`.split_stages`). The ``torch.distributed.pipelining`` stage drives a sharded stage
+itself: it delays FSDP's gradient reduction to the last micro-batch of a step.
 """
 
 from __future__ import annotations
@@ -54,17 +52,16 @@ from paratrain.strategies.capabilities import (
     PrecisionPolicy,
     ShardedState,
 )
-from paratrain.strategies.dtensor_params import mixed_precision_policy, shard_units
-from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
+from paratrain.strategies.dtensor_params import mixed_precision_policy
+from paratrain.strategies.fsdp import FSDPOptions
 from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
-from paratrain.strategies.tensor.plan import resolve_plan
-from paratrain.strategies.tensor.strategy import (
-    TPOptions,
-    apply_tp,
-    global_grad_norm,
-    scale_gradients,
+from paratrain.strategies.pipeline.split_stages import (
+    SplitStages,
+    check_split_options,
+    local_piece,
 )
+from paratrain.strategies.tensor.strategy import TPOptions
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -121,7 +118,8 @@ class PipelineOptions:
         return self.stages_per_rank or (2 if self.schedule == "interleaved_1f1b" else 1)
 
 
-class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation, Compiles):
+class PipelineStrategy(SplitStages, Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation,
+                       Compiles):
     """Split the model into stages over the ranks; micro-batches flow through them.
 
     Args:
@@ -146,14 +144,9 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         degrees = degrees or ParallelDegrees(pipeline_degree=topology.world_size)
         self.fsdp_options = fsdp or FSDPOptions()
         self.tp_options = tp or TPOptions()
-        if self.fsdp_options.offload:
-            raise ValueError("fsdp offload inside a pipeline is not supported; "
-                             "use offload=False")
         self.mesh = ParallelMesh(degrees, topology)
-        if self.options.num_local_stages > 1 and (degrees.shard_degree > 1
-                                                  or degrees.tensor_degree > 1):
-            raise ValueError("schedule 'interleaved_1f1b' with sharded or tensor-parallel "
-                             "stages is not supported yet; use schedule '1f1b'")
+        check_split_options(degrees, num_local_stages=self.options.num_local_stages,
+                            fsdp=self.fsdp_options, tp=self.tp_options)
         self.active = degrees.pipeline_degree > 1
         # Parameters become DTensors: gradients and norms go through DTensor collectives.
         self.dtensor_stages = self.active and (degrees.shard_degree > 1
@@ -186,6 +179,10 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         return self.mesh.degrees.data_parallel_degree
 
     @property
+    def random_stream_rank(self) -> int:
+        return self.mesh.global_rank(tensor=0)
+
+    @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         if self.data_parallel_size == 1 or not self.active:
             return None
@@ -213,20 +210,6 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         self._names.update(names)
         self._params.update(dict(self.checkpoint_module(model).named_parameters()))
         return model
-
-    def _split_stage(self, stage: nn.Module) -> None:
-        """Tensor parallel, then FSDP, over this stage (torchtitan's order)."""
-        d = self.mesh.degrees
-        if d.tensor_degree > 1:
-            apply_tp(stage, self.mesh.submesh("tensor"), resolve_plan(stage, self.tp_options.plan))
-        if d.shard_degree > 1:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            data_axes = ("replicate", "shard") if d.replicate_degree > 1 else ("shard",)
-            shard_units(stage, wrap_predicate(self.fsdp_options.wrap_policy, stage),
-                        mesh=self.mesh.submesh(*data_axes),
-                        reshard_after_forward=self.fsdp_options.reshard_after_forward,
-                        mp_policy=self._mp_policy or MixedPrecisionPolicy())
 
     def configure_compile(self, options: CompileOptions) -> None:
         if self.active:
@@ -286,13 +269,7 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         """Every stage's state, in stage order, on every rank (collective over the pipeline)."""
         module = self.checkpoint_module(model)
         if self.dtensor_stages:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
-
-            # Collective over the stage's mesh: each DTensor gathered whole.
-            local = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+            local = self._whole_stage_state(module)
         else:
             local = {k: v.detach().clone() for k, v in module.state_dict().items()}
         if not self.active:
@@ -332,7 +309,7 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         if self.data_parallel_size == 1 or self.mesh.degrees.shard_degree > 1:
             return  # one replica, or FSDP reduced them already (the stage ran its hooks)
         # A tensor-parallel gradient's local piece matches its replicas' (same tensor rank).
-        grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
+        grads = [local_piece(p.grad) for p in module.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.data_parallel_group)
         flat /= self.data_parallel_size
@@ -377,22 +354,8 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
             grad.mul_(coef.to(grad.dtype))
         return norm
 
-    def _clip_dtensor_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        params = [p for p in model.parameters() if p.grad is not None]
-        # This stage's norm (DTensor reductions over the stage's mesh), then every stage's.
-        squares = global_grad_norm(params).to(self.topology.device, torch.float64) ** 2
-        dist.all_reduce(squares, group=self.mesh.group("pipeline"))
-        norm = squares.sqrt().float()
-        scale_gradients(params, norm, max_norm)
-        return norm
-
     def teardown(self) -> None:
         # The stage's parameters must not outlive the process group (its schedule holds it).
         self._names.clear()
         self._params.clear()
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local piece (a view that writes through), or the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor

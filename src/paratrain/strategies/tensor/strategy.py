@@ -202,6 +202,10 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
         return self.mesh.degrees.data_parallel_degree
 
     @property
+    def random_stream_rank(self) -> int:
+        return self.mesh.global_rank(tensor=0)
+
+    @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         if self.data_parallel_size == 1 or not self.active:
             return None

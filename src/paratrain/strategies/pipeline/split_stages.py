@@ -1,0 +1,92 @@
+"""What a pipeline stage needs when ``hybrid`` splits it further (the 3-D layouts).
+
+Under ``hybrid`` a stage can be split by tensor parallel over the mesh's ``tensor`` axis
+and sharded by FSDP2 over its data axes, in torchtitan's order (TP, then
+``fully_shard``; HSDP when both ``replicate`` and ``shard`` are > 1). Its parameters
+become DTensors, so its gradient norm and its whole state go through DTensor
+collectives. :class:`SplitStages` holds those parts for
+:class:`~paratrain.strategies.pipeline.strategy.PipelineStrategy`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
+from paratrain.distributed.topology import Topology
+from paratrain.strategies.dtensor_params import shard_units
+from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
+from paratrain.strategies.tensor.plan import resolve_plan
+from paratrain.strategies.tensor.strategy import (
+    TPOptions,
+    apply_tp,
+    global_grad_norm,
+    scale_gradients,
+)
+
+__all__ = ["SplitStages", "check_split_options", "local_piece"]
+
+
+def check_split_options(degrees: ParallelDegrees, *, num_local_stages: int,
+                        fsdp: FSDPOptions, tp: TPOptions) -> None:
+    """ValueError naming what a split stage cannot do yet."""
+    if fsdp.offload:
+        raise ValueError("fsdp offload inside a pipeline is not supported; use offload=False")
+    if tp.sequence_parallel or tp.loss_parallel:
+        raise ValueError("sequence_parallel and loss_parallel are not supported on pipeline "
+                         "stages; leave them out of hybrid's tensor options")
+    if num_local_stages > 1 and (degrees.shard_degree > 1 or degrees.tensor_degree > 1):
+        raise ValueError("schedule 'interleaved_1f1b' with sharded or tensor-parallel "
+                         "stages is not supported yet; use schedule '1f1b'")
+
+
+def local_piece(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece (a view that writes through), or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+class SplitStages:
+    """Mix-in: tensor parallel and FSDP inside this rank's stage, and what follows from it."""
+
+    mesh: ParallelMesh
+    topology: Topology
+    fsdp_options: FSDPOptions
+    tp_options: TPOptions
+    _mp_policy: Any
+
+    def _split_stage(self, stage: nn.Module) -> None:
+        """Tensor parallel, then FSDP, over this stage (torchtitan's order)."""
+        d = self.mesh.degrees
+        if d.tensor_degree > 1:
+            apply_tp(stage, self.mesh.submesh("tensor"), resolve_plan(stage, self.tp_options.plan))
+        if d.shard_degree > 1:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            data_axes = ("replicate", "shard") if d.replicate_degree > 1 else ("shard",)
+            shard_units(stage, wrap_predicate(self.fsdp_options.wrap_policy, stage),
+                        mesh=self.mesh.submesh(*data_axes),
+                        reshard_after_forward=self.fsdp_options.reshard_after_forward,
+                        mp_policy=self._mp_policy or MixedPrecisionPolicy())
+
+    def _whole_stage_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The stage's state with each DTensor gathered whole (collective over its mesh)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+
+    def _clip_dtensor_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        # This stage's norm (DTensor reductions over the stage's mesh), then every stage's.
+        squares = global_grad_norm(params).to(self.topology.device, torch.float64) ** 2
+        dist.all_reduce(squares, group=self.mesh.group("pipeline"))
+        norm = squares.sqrt().float()
+        scale_gradients(params, norm, max_norm)
+        return norm
