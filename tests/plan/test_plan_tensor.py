@@ -60,9 +60,22 @@ def test_fsdp_tp_gathers_each_tensor_ranks_part_replicated_parameters_included()
         1.5 * (whole.traffic_bytes - tp_traffic))
 
 
+def test_dispatch_is_a_fixed_cost_per_step_of_a_split_model_only():
+    pr = profile(tp_dispatch_time=0.05)
+    for batch in (1, 8):
+        with_dispatch = predict("tp", pr, two_devices(), batch_size_per_device=batch)
+        without = predict("tp", profile(), two_devices(), batch_size_per_device=batch)
+        assert with_dispatch.compute_time == pytest.approx(without.compute_time + 0.05)
+    hw4 = Hardware(num_devices_per_node=4, intra_node_bandwidth=GB)
+    assert predict("fsdp_tp", pr, hw4, batch_size_per_device=2).compute_time == pytest.approx(
+        predict("fsdp_tp", profile(), hw4, batch_size_per_device=2).compute_time + 0.05)
+    one = predict("tp", pr, Hardware(), batch_size_per_device=2)
+    assert one.compute_time == pytest.approx(2 * 1e-3)
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("tp_allreduces", -1), ("tp_allreduces", True), ("tp_allreduce_bytes_per_sample", -1.0),
-    ("tp_split_fraction", 1.5), ("tp_split_param_fraction", -0.1)])
+    ("tp_split_fraction", 1.5), ("tp_split_param_fraction", -0.1), ("tp_dispatch_time", -1e-3)])
 def test_profile_validates_the_tp_fields(field, value):
     with pytest.raises(ValueError, match=field):
         profile(**{field: value})

@@ -179,13 +179,14 @@ def _tp_comm(pr: ModelProfile, hw: Hardware, b: int, t: int) -> tuple[float, flo
 
 def _tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     # Every device reads the same b samples and does 1/t of each split layer's work;
-    # embeddings, norms, head and loss run whole on every rank.
+    # embeddings, norms, head and loss run whole on every rank. DTensor's dispatch is a
+    # fixed cost per step on top (one process runs as single: none).
     t = hw.world_size
     comm, traffic = _tp_comm(pr, hw, b, t)
     share = pr.tp_split_fraction / t + 1 - pr.tp_split_fraction
-    return Cost(devices=t, batch=b, compute=b * pr.step_compute_time_per_sample * share,
-                comm=comm, exposed=comm, traffic=traffic, optimizer_divisor=t,
-                note="tp across nodes" if t > hw.num_devices_per_node else "")
+    compute = b * pr.step_compute_time_per_sample * share + (pr.tp_dispatch_time if t > 1 else 0.0)
+    return Cost(devices=t, batch=b, compute=compute, comm=comm, exposed=comm, traffic=traffic,
+                optimizer_divisor=t, note="tp across nodes" if t > hw.num_devices_per_node else "")
 
 
 def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
@@ -209,7 +210,8 @@ def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     exp_b = exposed_comm_time(layers * (ag + rs), b * pr.backward_time_per_sample * share,
                               overlap=o.overlap, tail=rs)
     fsdp_traffic = 0.0 if s == 1 else (s - 1) / s * (2 * pr.param_size + pr.grad_size) * local
-    return Cost(devices=w, batch=s * b, compute=b * pr.step_compute_time_per_sample * share,
+    return Cost(devices=w, batch=s * b,
+                compute=b * pr.step_compute_time_per_sample * share + pr.tp_dispatch_time,
                 comm=tp_comm + layers * (2 * ag + rs), exposed=tp_comm + exp_f + exp_b,
                 traffic=tp_traffic + fsdp_traffic, note=f"shard {s} x tensor {t}",
                 optimizer_divisor=w)

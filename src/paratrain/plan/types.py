@@ -89,6 +89,11 @@ class ModelProfile:
     (embeddings, norms, head, loss) runs whole on every tensor rank. 1.0: all split."""
     tp_split_param_fraction: float = 1.0
     """Share of the parameters in split layers; the rest is replicated on every tensor rank."""
+    tp_dispatch_time: float = 0.0
+    """Seconds per step (not per sample) a tensor rank spends beyond its share of the
+    arithmetic: DTensor's per-operation work on the host, large on CPU at small sizes.
+    ``calibrate`` cannot measure it (it needs a process group); a split model timed on a
+    fake process group can (``benchmarks/plan_validation_tp.py``). 0: not counted."""
 
     def __post_init__(self) -> None:
         check_positive_int("num_parameters", self.num_parameters)
@@ -114,8 +119,8 @@ class ModelProfile:
         if isinstance(self.tp_allreduces, bool) or not isinstance(self.tp_allreduces, int) \
                 or self.tp_allreduces < 0:
             raise ValueError(f"tp_allreduces must be an integer >= 0, got {self.tp_allreduces!r}")
-        check_number("tp_allreduce_bytes_per_sample", self.tp_allreduce_bytes_per_sample,
-                     positive=False)
+        for name in ("tp_allreduce_bytes_per_sample", "tp_dispatch_time"):
+            check_number(name, getattr(self, name), positive=False)
         for name in ("tp_split_fraction", "tp_split_param_fraction"):
             check_number(name, getattr(self, name), positive=False)
             if getattr(self, name) > 1:
