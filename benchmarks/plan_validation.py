@@ -50,8 +50,10 @@ import torch
 from plan_validation_tp import (
     TENSOR_STRATEGIES,
     calibrate_at,
+    cell_order,
     contention,
-    order_strategies,
+    dispatch_time,
+    split_ratio,
     tensor_profile,
     without_tensor_fields,
 )
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{base.tp_allreduce_bytes_per_sample / base.tp_allreduces:,.0f} bytes/sample, "
               f"split share: compute {base.tp_split_fraction:.3f}, "
               f"parameters {base.tp_split_param_fraction:.3f}")
-    strategies = order_strategies([s.strip() for s in args.strategies.split(",") if s.strip()])
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     # The pipeline's stages compute micro-batches: one calibration at that size serves
     # every pipeline cell (its size does not depend on the number of stages).
     micro = calibrate_micro(model, args) if "pipeline" in strategies else None
@@ -270,69 +272,80 @@ def main(argv: list[str] | None = None) -> int:
     from paratrain.testing import netns
 
     netns_ok, netns_reason = netns.netns_available()
-    rows, lines, firsts = [], [], {}
+    rows, lines, firsts, ratios = [], [], {}, {}
     with tempfile.TemporaryDirectory(prefix="plan-validation-") as tmp:
         root = Path(args.workdir or tmp)
-        for strategy in strategies:
-            if strategy not in available_strategies():
-                lines.append(f"{strategy}: skipped, not in the strategy registry")
+        for strategy in [s for s in strategies if s not in available_strategies()]:
+            lines.append(f"{strategy}: skipped, not in the strategy registry")
+        registered = [s for s in strategies if s in available_strategies()]
+        worker_counts = [int(w) for w in args.workers.split(",")]
+        for strategy, workers, link in cell_order(registered, worker_counts, links):
+            if link != "loopback" and not netns_ok:
+                lines.append(f"{strategy} x{workers} {link}: skipped, {netns_reason}")
                 continue
-            for workers in (int(w) for w in args.workers.split(",")):
-                for link in links:
-                    if link != "loopback" and not netns_ok:
-                        lines.append(f"{strategy} x{workers} {link}: skipped, {netns_reason}")
-                        continue
-                    if strategy == "fsdp_tp" and workers % 2:
-                        lines.append(f"{strategy} x{workers} {link}: skipped, tensor degree 2 "
-                                     f"does not divide {workers} workers")
-                        continue
-                    if strategy == "pipeline" and args.batch_size % workers:
-                        lines.append(f"{strategy} x{workers} {link}: skipped, --batch-size "
-                                     f"{args.batch_size} does not split over {workers} stages")
-                        continue
-                    outcome = measure(args, strategy, workers, link, root)
-                    if not outcome.ok:
-                        lines.append(f"{strategy} x{workers} {link}: failed, {outcome.reason}")
-                        continue
-                    first = outcome.results[0]
-                    firsts[strategy, workers, link] = first
-                    compute = statistics.median(first["compute_step_s"]) + first["optimizer_step_s"]
-                    # The optimizer step is inside the in-situ compute.
-                    situ = replace(base, compute_time_per_sample=compute / args.batch_size,
-                                   optimizer_step_time=0.0)
-                    if strategy == "pipeline":
-                        # Its sync-free phase still runs the whole schedule (stages exchange
-                        # activations inside no_sync too): not one device's compute. Each
-                        # stage is one process on its own core and computes micro-batches,
-                        # so one process's calibration at the micro-batch size is the input.
-                        situ = micro
-                    if strategy in TENSOR_STRATEGIES:
-                        # Its "compute" phase holds its activation all-reduces (see
-                        # plan_validation_tp.py); ddp's says how slow one process is here.
-                        factor = contention(base, firsts.get(("ddp", workers, link)))
-                        situ = tensor_profile(base, factor)
-                        compute = (args.batch_size * situ.compute_time_per_sample
-                                   + situ.optimizer_step_time)
-                        fallback = predicted_step(without_tensor_fields(situ), strategy,
-                                                  workers, link, first)
-                        lines.append(f"{strategy} x{workers} {link}: compute = one process x "
-                                     f"{factor:.2f} (ddp's contention); without the tp_* "
-                                     f"profile fields the plan predicts {fallback * 1e3:.1f} ms")
-                    measured = statistics.median(first["step_s"])
-                    row = {"link": link, "strategy": strategy, "workers": workers,
-                           "compute_s": compute, "measured_s": measured,
-                           "measured_min_s": min(first["step_s"]),
-                           "measured_max_s": max(first["step_s"]),
-                           "predicted_s": predicted_step(situ, strategy, workers, link, first),
-                           "predicted_1proc_s": predicted_step(base, strategy, workers, link,
-                                                               first)}
-                    row["error"] = row["predicted_s"] / measured - 1
-                    if strategy in TENSOR_STRATEGIES:
-                        row["predicted_fallback_s"] = fallback
-                    row["probe_bus_bandwidth"] = link_from_probe(first)[0]
-                    rows.append(row)
-                    print(f"  {strategy} x{workers} {link}: measured {measured * 1e3:.1f} ms, "
-                          f"predicted {row['predicted_s'] * 1e3:.1f} ms", flush=True)
+            if strategy == "fsdp_tp" and workers % 2:
+                lines.append(f"{strategy} x{workers} {link}: skipped, tensor degree 2 "
+                             f"does not divide {workers} workers")
+                continue
+            if strategy == "pipeline" and args.batch_size % workers:
+                lines.append(f"{strategy} x{workers} {link}: skipped, --batch-size "
+                             f"{args.batch_size} does not split over {workers} stages")
+                continue
+            outcome = measure(args, strategy, workers, link, root)
+            if not outcome.ok:
+                lines.append(f"{strategy} x{workers} {link}: failed, {outcome.reason}")
+                continue
+            first = outcome.results[0]
+            firsts[strategy, workers, link] = first
+            compute = statistics.median(first["compute_step_s"]) + first["optimizer_step_s"]
+            # The optimizer step is inside the in-situ compute.
+            situ = replace(base, compute_time_per_sample=compute / args.batch_size,
+                           optimizer_step_time=0.0)
+            one_proc = base
+            if strategy == "pipeline":
+                # Its sync-free phase still runs the whole schedule (stages exchange
+                # activations inside no_sync too): not one device's compute. Each
+                # stage is one process on its own core and computes micro-batches,
+                # so one process's calibration at the micro-batch size is the input.
+                situ = micro
+            if strategy in TENSOR_STRATEGIES:
+                # Its "compute" phase holds its activation all-reduces (see
+                # plan_validation_tp.py); ddp's says how slow one process is here.
+                degree = workers if strategy == "tp" else 2
+                if degree not in ratios:
+                    ratios[degree] = split_ratio(args, degree)
+                dispatch = dispatch_time(base, ratios[degree], degree, args.batch_size)
+                factor = contention(base, firsts.get(("ddp", workers, link)))
+                situ = tensor_profile(base, factor, dispatch)
+                one_proc = tensor_profile(base, 1.0, dispatch)
+                compute = (args.batch_size * situ.compute_time_per_sample
+                           + situ.optimizer_step_time)
+                fallback = predicted_step(without_tensor_fields(situ), strategy,
+                                          workers, link, first)
+                lines.append(f"{strategy} x{workers} {link}: compute = one process x "
+                             f"{factor:.2f} (ddp's contention); a rank alone computes "
+                             f"{ratios[degree]:.2f} of the whole model (dispatch "
+                             f"{dispatch * 1e3:.1f} ms/step at one process); without "
+                             f"the tp_* profile fields the plan predicts "
+                             f"{fallback * 1e3:.1f} ms")
+            measured = statistics.median(first["step_s"])
+            row = {"link": link, "strategy": strategy, "workers": workers,
+                   "compute_s": compute, "measured_s": measured,
+                   "measured_min_s": min(first["step_s"]),
+                   "measured_max_s": max(first["step_s"]),
+                   "predicted_s": predicted_step(situ, strategy, workers, link, first),
+                   "predicted_1proc_s": predicted_step(one_proc, strategy, workers, link,
+                                                       first)}
+            row["error"] = row["predicted_s"] / measured - 1
+            if strategy in TENSOR_STRATEGIES:
+                row["predicted_fallback_s"] = fallback
+            row["probe_bus_bandwidth"] = link_from_probe(first)[0]
+            rows.append(row)
+            print(f"  {strategy} x{workers} {link}: measured {measured * 1e3:.1f} ms, "
+                  f"predicted {row['predicted_s'] * 1e3:.1f} ms", flush=True)
+    # The table in the order of --strategies, --workers, --links, however they ran.
+    rows.sort(key=lambda r: (strategies.index(r["strategy"]), r["workers"],
+                             links.index(r["link"])))
     head = ("link", "strategy", "workers", "probe bus bw", "compute", "measured (min-max)",
             "predicted", "ratio", "error", "pred(1 proc)")
     table = [head] + [(r["link"], r["strategy"], str(r["workers"]),
