@@ -20,6 +20,13 @@ instead, to show what CPU sharing does.
     python benchmarks/plan_validation.py                       # full run, a few minutes
     python benchmarks/plan_validation.py --workers 2 --steps 5 --repeats 2 --links loopback,200mbit
 
+``tp`` and ``fsdp_tp`` need a model with transformer blocks and token inputs; their
+compute is the one-process calibration slowed by the ``ddp`` job's contention factor
+(``plan_validation_tp.py``), so run ``ddp`` beside them:
+
+    python benchmarks/plan_validation.py --strategies ddp,tp --workers 2 --links loopback \
+        --model paratrain.models:gpt_bench --input-shape 64 --vocab-size 512 --batch-size 8
+
 ``--single-device`` instead compares one device only, where the job runs by default (a
 GPU when visible): the plan's calibrated single-device step (forward, backward and the
 optimizer step, calibrated on that device) against a real ``single`` bench job's.
@@ -40,11 +47,21 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from plan_validation_tp import (
+    TENSOR_STRATEGIES,
+    calibrate_at,
+    cell_order,
+    contention,
+    dispatch_time,
+    split_ratio,
+    tensor_profile,
+    without_tensor_fields,
+)
 
 from paratrain.bench import jobs as bench_jobs
 from paratrain.bench.report import link_from_probe
-from paratrain.bench.worker import DEMO_MODEL, JobSpec, load_factory, make_loss
-from paratrain.plan import Hardware, calibrate, parse_bandwidth, predict
+from paratrain.bench.worker import DEMO_MODEL, JobSpec, load_factory
+from paratrain.plan import Hardware, parse_bandwidth, predict
 from paratrain.strategies import available_strategies
 from paratrain.strategies.pipeline.module import microbatches_for
 from paratrain.strategies.pipeline.strategy import PipelineOptions
@@ -98,8 +115,9 @@ def measure(args, strategy: str, workers: int, link: str, root: Path) -> bench_j
     job = root / f"{strategy}-{workers}-{link}"
     job.mkdir(parents=True, exist_ok=True)
     spec = JobSpec(strategy=strategy, model=args.model, input_shape=args.input_shape,
-                   batch_size=args.batch_size, warmup_steps=args.warmup, steps=args.steps,
-                   repeats=args.repeats, link_probe_bytes=args.probe_bytes)
+                   vocab_size=args.vocab_size, batch_size=args.batch_size,
+                   warmup_steps=args.warmup, steps=args.steps, repeats=args.repeats,
+                   link_probe_bytes=args.probe_bytes)
     spec.write(job / "spec.json")
     if link == "loopback":
         argv = bench_jobs.local_launch_argv(job / "spec.json", job / "out", strategy=strategy,
@@ -153,27 +171,29 @@ def pipeline_microbatches(batch_size: int) -> int:
 
 def calibrate_micro(model, args):
     """The model calibrated on one process at the pipeline's micro-batch size."""
-    micro = args.batch_size // pipeline_microbatches(args.batch_size)
-    example = torch.randn(micro, *args.input_shape)
-    with torch.no_grad():
-        loss = make_loss(model(example), micro, torch.Generator().manual_seed(0))
-    return calibrate(model, example, loss, repeats=5, device="cpu")
+    return calibrate_at(model, args, args.batch_size // pipeline_microbatches(args.batch_size))
 
 
 def validate_single(args) -> int:
     """Plan's calibrated single-device step vs a real ``single`` job on the same device."""
+    from plan_validation_tp import example_batch
+
+    from paratrain.bench.worker import make_loss
+    from paratrain.plan import calibrate
     from paratrain.plan.device import select_device
 
     device = select_device(None)
     if device.type == "cpu":
         torch.set_num_threads(1)  # as the job's process (OMP_NUM_THREADS=1)
     spec = JobSpec(strategy="single", model=args.model, input_shape=args.input_shape,
-                   batch_size=args.batch_size, warmup_steps=args.warmup, steps=args.steps,
-                   repeats=args.repeats, link_probe_bytes=args.probe_bytes)
+                   vocab_size=args.vocab_size, batch_size=args.batch_size,
+                   warmup_steps=args.warmup, steps=args.steps, repeats=args.repeats,
+                   link_probe_bytes=args.probe_bytes)
     model = load_factory(args.model)()
-    example = torch.randn(args.batch_size, *args.input_shape)
+    example = example_batch(args, args.batch_size)
     with torch.no_grad():
-        loss = make_loss(model(example), args.batch_size, torch.Generator().manual_seed(0))
+        loss = make_loss(model(example), args.batch_size, torch.Generator().manual_seed(0),
+                         vocab_size=args.vocab_size)
     profile = calibrate(model, example, loss, repeats=5, device=device, optimizer=spec.optimizer)
     predicted = predict("single", profile, Hardware(), batch_size_per_device=args.batch_size)
     with tempfile.TemporaryDirectory(prefix="plan-validation-") as tmp:
@@ -210,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--links", default="loopback,1gbit,200mbit", help="loopback and/or tc rates")
     p.add_argument("--model", default=DEMO_MODEL)
     p.add_argument("--input-shape", default="1,28,28")
+    p.add_argument("--vocab-size", type=int, help="feed int64 tokens below this (a GPT)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
@@ -232,13 +253,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # as each job's processes (OMP_NUM_THREADS=1)
     model = load_factory(args.model)()
-    example = torch.randn(args.batch_size, *args.input_shape)
-    with torch.no_grad():
-        loss = make_loss(model(example), args.batch_size, torch.Generator().manual_seed(0))
-    base = calibrate(model, example, loss, repeats=5, device="cpu")  # the jobs run on CPU
+    # The jobs run on CPU, with Adam (the bench default).
+    base = calibrate_at(model, args, args.batch_size, optimizer="adam")
     print(f"calibrated {args.model}: {base.num_parameters:,} parameters, "
           f"{base.compute_time_per_sample * 1e3:.3f} ms/sample on one process, "
-          f"backward share {base.backward_fraction:.2f}, {base.num_layers} layers")
+          f"backward share {base.backward_fraction:.2f}, {base.num_layers} layers, "
+          f"optimizer step {base.optimizer_step_time * 1e3:.1f} ms")
+    if base.tp_allreduces:
+        print(f"  tensor parallel: {base.tp_allreduces} all-reduces of "
+              f"{base.tp_allreduce_bytes_per_sample / base.tp_allreduces:,.0f} bytes/sample, "
+              f"split share: compute {base.tp_split_fraction:.3f}, "
+              f"parameters {base.tp_split_param_fraction:.3f}")
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     # The pipeline's stages compute micro-batches: one calibration at that size serves
     # every pipeline cell (its size does not depend on the number of stages).
@@ -247,55 +272,87 @@ def main(argv: list[str] | None = None) -> int:
     from paratrain.testing import netns
 
     netns_ok, netns_reason = netns.netns_available()
-    rows, lines = [], []
+    rows, lines, firsts, ratios = [], [], {}, {}
     with tempfile.TemporaryDirectory(prefix="plan-validation-") as tmp:
         root = Path(args.workdir or tmp)
-        for strategy in strategies:
-            if strategy not in available_strategies():
-                lines.append(f"{strategy}: skipped, not in the strategy registry")
+        for strategy in [s for s in strategies if s not in available_strategies()]:
+            lines.append(f"{strategy}: skipped, not in the strategy registry")
+        registered = [s for s in strategies if s in available_strategies()]
+        worker_counts = [int(w) for w in args.workers.split(",")]
+        for strategy, workers, link in cell_order(registered, worker_counts, links):
+            if link != "loopback" and not netns_ok:
+                lines.append(f"{strategy} x{workers} {link}: skipped, {netns_reason}")
                 continue
-            for workers in (int(w) for w in args.workers.split(",")):
-                for link in links:
-                    if link != "loopback" and not netns_ok:
-                        lines.append(f"{strategy} x{workers} {link}: skipped, {netns_reason}")
-                        continue
-                    if strategy == "pipeline" and args.batch_size % workers:
-                        lines.append(f"{strategy} x{workers} {link}: skipped, --batch-size "
-                                     f"{args.batch_size} does not split over {workers} stages")
-                        continue
-                    outcome = measure(args, strategy, workers, link, root)
-                    if not outcome.ok:
-                        lines.append(f"{strategy} x{workers} {link}: failed, {outcome.reason}")
-                        continue
-                    first = outcome.results[0]
-                    compute = statistics.median(first["compute_step_s"]) + first["optimizer_step_s"]
-                    situ = replace(base, compute_time_per_sample=compute / args.batch_size)
-                    if strategy == "pipeline":
-                        # Its sync-free phase still runs the whole schedule (stages exchange
-                        # activations inside no_sync too): not one device's compute. Each
-                        # stage is one process on its own core and computes micro-batches,
-                        # so one process's calibration at the micro-batch size is the input.
-                        situ = micro
-                    measured = statistics.median(first["step_s"])
-                    row = {"link": link, "strategy": strategy, "workers": workers,
-                           "compute_s": compute, "measured_s": measured,
-                           "measured_min_s": min(first["step_s"]),
-                           "measured_max_s": max(first["step_s"]),
-                           "predicted_s": predicted_step(situ, strategy, workers, link, first),
-                           "predicted_1proc_s": predicted_step(base, strategy, workers, link,
-                                                               first)}
-                    row["error"] = row["predicted_s"] / measured - 1
-                    row["probe_bus_bandwidth"] = link_from_probe(first)[0]
-                    rows.append(row)
-                    print(f"  {strategy} x{workers} {link}: measured {measured * 1e3:.1f} ms, "
-                          f"predicted {row['predicted_s'] * 1e3:.1f} ms", flush=True)
+            if strategy == "fsdp_tp" and workers % 2:
+                lines.append(f"{strategy} x{workers} {link}: skipped, tensor degree 2 "
+                             f"does not divide {workers} workers")
+                continue
+            if strategy == "pipeline" and args.batch_size % workers:
+                lines.append(f"{strategy} x{workers} {link}: skipped, --batch-size "
+                             f"{args.batch_size} does not split over {workers} stages")
+                continue
+            outcome = measure(args, strategy, workers, link, root)
+            if not outcome.ok:
+                lines.append(f"{strategy} x{workers} {link}: failed, {outcome.reason}")
+                continue
+            first = outcome.results[0]
+            firsts[strategy, workers, link] = first
+            compute = statistics.median(first["compute_step_s"]) + first["optimizer_step_s"]
+            # The optimizer step is inside the in-situ compute.
+            situ = replace(base, compute_time_per_sample=compute / args.batch_size,
+                           optimizer_step_time=0.0)
+            one_proc = base
+            if strategy == "pipeline":
+                # Its sync-free phase still runs the whole schedule (stages exchange
+                # activations inside no_sync too): not one device's compute. Each
+                # stage is one process on its own core and computes micro-batches,
+                # so one process's calibration at the micro-batch size is the input.
+                situ = micro
+            if strategy in TENSOR_STRATEGIES:
+                # Its "compute" phase holds its activation all-reduces (see
+                # plan_validation_tp.py); ddp's says how slow one process is here.
+                degree = workers if strategy == "tp" else 2
+                if degree not in ratios:
+                    ratios[degree] = split_ratio(args, degree)
+                dispatch = dispatch_time(base, ratios[degree], degree, args.batch_size)
+                factor = contention(base, firsts.get(("ddp", workers, link)))
+                situ = tensor_profile(base, factor, dispatch)
+                one_proc = tensor_profile(base, 1.0, dispatch)
+                compute = (args.batch_size * situ.compute_time_per_sample
+                           + situ.optimizer_step_time)
+                fallback = predicted_step(without_tensor_fields(situ), strategy,
+                                          workers, link, first)
+                lines.append(f"{strategy} x{workers} {link}: compute = one process x "
+                             f"{factor:.2f} (ddp's contention); a rank alone computes "
+                             f"{ratios[degree]:.2f} of the whole model (dispatch "
+                             f"{dispatch * 1e3:.1f} ms/step at one process); without "
+                             f"the tp_* profile fields the plan predicts "
+                             f"{fallback * 1e3:.1f} ms")
+            measured = statistics.median(first["step_s"])
+            row = {"link": link, "strategy": strategy, "workers": workers,
+                   "compute_s": compute, "measured_s": measured,
+                   "measured_min_s": min(first["step_s"]),
+                   "measured_max_s": max(first["step_s"]),
+                   "predicted_s": predicted_step(situ, strategy, workers, link, first),
+                   "predicted_1proc_s": predicted_step(one_proc, strategy, workers, link,
+                                                       first)}
+            row["error"] = row["predicted_s"] / measured - 1
+            if strategy in TENSOR_STRATEGIES:
+                row["predicted_fallback_s"] = fallback
+            row["probe_bus_bandwidth"] = link_from_probe(first)[0]
+            rows.append(row)
+            print(f"  {strategy} x{workers} {link}: measured {measured * 1e3:.1f} ms, "
+                  f"predicted {row['predicted_s'] * 1e3:.1f} ms", flush=True)
+    # The table in the order of --strategies, --workers, --links, however they ran.
+    rows.sort(key=lambda r: (strategies.index(r["strategy"]), r["workers"],
+                             links.index(r["link"])))
     head = ("link", "strategy", "workers", "probe bus bw", "compute", "measured (min-max)",
-            "predicted", "error", "pred(1 proc)")
+            "predicted", "ratio", "error", "pred(1 proc)")
     table = [head] + [(r["link"], r["strategy"], str(r["workers"]),
                        f"{r['probe_bus_bandwidth'] * 8 / 1e6:,.0f} Mbit/s", f"{r['compute_s'] * 1e3:.1f} ms",
                        f"{r['measured_s'] * 1e3:.1f} ms ({r['measured_min_s'] * 1e3:.0f}-"
                        f"{r['measured_max_s'] * 1e3:.0f})", f"{r['predicted_s'] * 1e3:.1f} ms",
-                       f"{r['error']:+.1%}", f"{r['predicted_1proc_s'] * 1e3:.1f} ms")
+                       f"{1 + r['error']:.2f}", f"{r['error']:+.1%}", f"{r['predicted_1proc_s'] * 1e3:.1f} ms")
                       for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     print()

@@ -10,7 +10,7 @@ from torch import nn
 
 from paratrain.strategies.pipeline.layout import PipelineLayout
 
-__all__ = ["GPT", "convnet"]
+__all__ = ["GPT", "convnet", "gpt_bench"]
 
 
 def convnet() -> nn.Sequential:
@@ -145,3 +145,14 @@ class GPT(nn.Module):
         return PipelineLayout(before=("tok_emb", "pos_emb"), blocks="blocks",
                               after=("ln_f", "head"),
                               sample_input=sample.view(4, self.block_size))
+
+
+def gpt_bench() -> GPT:
+    """The small GPT of the tensor-parallel benchmarks, as a no-argument factory for a
+    ``module:callable`` model string (``paratrain.models:gpt_bench``).
+
+    4 blocks, width 256, 8 heads, 64 positions, vocabulary 512 (3.4M parameters). It
+    takes int64 token ids ``(batch, 64)``: a bench job needs ``vocab_size=512`` and
+    ``input_shape=(64,)``.
+    """
+    return GPT(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256)

@@ -87,9 +87,14 @@ def test_the_default_layout_given_explicitly_is_the_default_hsdp(seconds):
                                               "shard_degree": 4, "tensor_degree": 1}
 
 
-def test_tensor_only_is_tp_and_shard_x_tensor_is_fsdp_tp_but_not_runnable():
+@pytest.mark.parametrize("measured", [{}, {
+    # A calibrated profile: part of the work and parameters stays whole on every tensor
+    # rank, DTensor costs a fixed time per step, the all-reduces were counted.
+    "tp_split_fraction": 0.8, "tp_split_param_fraction": 0.7, "tp_dispatch_time": 0.05,
+    "tp_allreduces": 12, "tp_allreduce_bytes_per_sample": 3000.0}], ids=["estimated", "calibrated"])
+def test_tensor_only_is_tp_and_shard_x_tensor_is_fsdp_tp_but_not_runnable(measured):
     # hybrid refuses tensor > 1 without a pipeline; the cost still reduces to tp / fsdp_tp.
-    pr, o = profile(compute_time_per_sample=1.0), PlanOptions()  # FSDP's traffic hides
+    pr, o = profile(compute_time_per_sample=1.0, **measured), PlanOptions()  # FSDP hides
     one = hardware(num_nodes=1)
     for hw, degrees, reference in [
         (one, ParallelDegrees(tensor_degree=4), _tp),

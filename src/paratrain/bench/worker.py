@@ -45,6 +45,10 @@ class JobSpec:
     """``module:callable`` returning an ``nn.Module``."""
     input_shape: tuple[int, ...] = (1, 28, 28)
     """Shape of one sample (synthetic random inputs)."""
+    vocab_size: int | None = None
+    """None: float inputs from ``torch.randn``. Set: int64 token ids below it (a language
+    model's input, e.g. ``input_shape=(64,)`` for 64 tokens), and the loss is
+    cross-entropy against random next tokens, so the output's last dimension must be it."""
     batch_size: int = 32
     """Samples per rank per step."""
     warmup_steps: int = 3
@@ -78,6 +82,10 @@ class JobSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.vocab_size is not None and (isinstance(self.vocab_size, bool)
+                                            or not isinstance(self.vocab_size, int)
+                                            or self.vocab_size < 2):
+            raise ValueError(f"vocab_size must be None or an integer >= 2, got {self.vocab_size!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if ":" not in self.model:
@@ -113,13 +121,38 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return factory
 
 
-def make_loss(output: Any, batch_size: int, generator: Any) -> Callable[[Any], Any]:
+def make_batch(spec: JobSpec, generator: Any) -> Any:
+    """One synthetic batch of ``spec.batch_size`` samples: floats, or token ids when
+    ``spec.vocab_size`` is set."""
+    import torch
+
+    shape = (spec.batch_size, *spec.input_shape)
+    if spec.vocab_size is None:
+        return torch.randn(*shape, generator=generator)
+    return torch.randint(spec.vocab_size, shape, generator=generator)
+
+
+def make_loss(output: Any, batch_size: int, generator: Any, *,
+              vocab_size: int | None = None) -> Callable[[Any], Any]:
     """Classification outputs ``(batch, classes)`` get cross-entropy on random labels;
-    anything else the mean square of the (first) output."""
+    anything else the mean square of the (first) output. With ``vocab_size``, the output
+    is per-token logits ``(batch, ..., vocab_size)`` and the targets random tokens."""
     import torch
     import torch.nn.functional as F
 
     first = output[0] if isinstance(output, (tuple, list)) else output
+    if vocab_size is not None:
+        if first.dim() < 2 or first.shape[0] != batch_size or first.shape[-1] != vocab_size:
+            raise ValueError(f"with vocab_size={vocab_size} the model must return logits "
+                             f"(batch={batch_size}, ..., {vocab_size}), got {tuple(first.shape)}")
+        targets = torch.randint(0, vocab_size, tuple(first.shape[:-1]), generator=generator)
+
+        def token_loss(out: Any) -> Any:
+            logits = out[0] if isinstance(out, (tuple, list)) else out
+            return F.cross_entropy(logits.reshape(-1, vocab_size).float(),
+                                   targets.reshape(-1).to(logits.device))
+
+        return token_loss
     if first.dim() == 2 and first.is_floating_point() and first.shape[0] == batch_size:
         labels = torch.randint(0, first.shape[1], (batch_size,), generator=generator)
         return lambda out: F.cross_entropy(out[0] if isinstance(out, (tuple, list)) else out,
@@ -262,11 +295,14 @@ def run_job(spec: JobSpec, out_dir: Path) -> dict[str, Any]:
         _warm_imports(spec)
         memory = MemoryWatch(run.device)
         model = factory()
-        generator = torch.Generator().manual_seed(spec.seed + 17 * run.rank)
-        batches = [torch.randn(spec.batch_size, *spec.input_shape, generator=generator)
-                   for _ in range(2)]
+        # Seeded by the data-parallel rank: the ranks of one tensor-parallel group must
+        # read the same batch and targets, as in real training.
+        generator = torch.Generator().manual_seed(
+            spec.seed + 17 * run.strategy.data_parallel_rank)
+        batches = [make_batch(spec, generator) for _ in range(2)]
         with torch.no_grad():
-            loss_fn = make_loss(model(batches[0]), spec.batch_size, generator)
+            loss_fn = make_loss(model(batches[0]), spec.batch_size, generator,
+                                vocab_size=spec.vocab_size)
         optimizer_step_s = _timed_optimizer_step(model, spec, run.device)
         optimizer = _optimizer(model.parameters(), spec)
         model, optimizer = run.prepare(model, optimizer)  # a server rank leaves here

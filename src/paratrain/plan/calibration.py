@@ -12,6 +12,7 @@ from copy import deepcopy as copy_module
 from typing import Any
 
 from paratrain.plan.device import autocast, check_precision, make_clock, select_device
+from paratrain.plan.tensor import tensor_parallel_fields
 from paratrain.plan.types import ModelProfile
 
 #: Optimizers whose step :func:`calibrate` can time.
@@ -56,6 +57,8 @@ def calibrate(
     time per sample and the backward share, each read after a device synchronize.
     ``optimizer`` ("adam" or "sgd"): also time one optimizer step on copies of the
     parameters (``optimizer_step_time``). The model's ``.grad`` fields are cleared afterwards.
+    A model with transformer blocks the ``tp`` strategy can split also gets the ``tp_*``
+    fields (:func:`paratrain.plan.tensor.tensor_parallel_fields`, ``repeats`` more forwards).
     """
     import torch
 
@@ -141,12 +144,13 @@ def calibrate(
                   for child, out in zip(model.children(), outputs)) if hooks else ()
     chain_times = _child_times(model, inputs, repeats=repeats, warmup=warmup, now=now,
                                precision=precision, device=device) if hooks else ()
+    tensor = tensor_parallel_fields(model, forward, batch=batch, now=now, repeats=repeats)
     return ModelProfile(
         chain=chain, chain_times=tuple(t / batch for t in chain_times),
         num_parameters=num_parameters, param_bytes=param_bytes, grad_bytes=param_bytes,
         activation_bytes_per_sample=sum(saved.values()) / batch,
         compute_time_per_sample=total / batch, backward_fraction=backward_fraction,
-        num_layers=max(1, layers), optimizer_step_time=opt_time,
+        num_layers=max(1, layers), optimizer_step_time=opt_time, **tensor,
     )
 
 

@@ -160,31 +160,45 @@ def _hybrid(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
                 note=f"shard {n} x replicate {k}", optimizer_divisor=n, shard_devices=n)
 
 
+def tp_share(split_fraction: float, t: int) -> float:
+    """What one of ``t`` tensor ranks holds (or computes) of something of which
+    ``split_fraction`` is split and the rest replicated."""
+    return split_fraction / t + 1 - split_fraction
+
+
 def _tp_comm(pr: ModelProfile, hw: Hardware, b: int, t: int) -> tuple[float, float]:
-    # Per block, one all-reduce of the block's hidden activations after each rowwise layer
-    # (attention out, MLP down) forward and one per colwise input backward: 4 in all, on
-    # the critical path (nothing to hide behind). The hidden size is approximated by the
-    # profile's activation bytes per layer. Consecutive ranks: inside a node while t fits.
-    size = b * pr.activation_bytes_per_sample / pr.num_layers
+    # On the critical path (nothing to hide behind): each rowwise layer all-reduces its
+    # output forward, each colwise layer its input's gradient backward (separate q/k/v:
+    # three). Measured by calibration (tp_allreduces, tp_allreduce_bytes_per_sample);
+    # without them, 4 per layer of the activation bytes per layer, which counts every
+    # parameterised leaf (norms, embeddings) as a layer and overestimates. Consecutive
+    # ranks: inside a node while t fits.
+    if pr.tp_allreduces:
+        count, size = pr.tp_allreduces, b * pr.tp_allreduce_bytes_per_sample / pr.tp_allreduces
+    else:
+        count, size = 4 * pr.num_layers, b * pr.activation_bytes_per_sample / pr.num_layers
     bw, lat = ((hw.intra_node_bandwidth, hw.intra_node_latency) if t <= hw.num_devices_per_node
                else _slowest_link(hw))
-    comm = 4 * pr.num_layers * ring_allreduce_time(size, t, bw, lat)
-    return comm, 0.0 if t == 1 else 4 * pr.num_layers * 2 * (t - 1) / t * size
+    comm = count * ring_allreduce_time(size, t, bw, lat)
+    return comm, 0.0 if t == 1 else count * 2 * (t - 1) / t * size
 
 
 def _tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     # Every device reads the same b samples and does 1/t of each split layer's work;
-    # embeddings, norms and the head are counted as split too (an underestimate).
+    # embeddings, norms, head and loss run whole on every rank. DTensor's dispatch is a
+    # fixed cost per step on top (one process runs as single: none).
     t = hw.world_size
     comm, traffic = _tp_comm(pr, hw, b, t)
-    return Cost(devices=t, batch=b, compute=b * pr.step_compute_time_per_sample / t, comm=comm,
-                exposed=comm, traffic=traffic, optimizer_divisor=t,
-                note="tp across nodes" if t > hw.num_devices_per_node else "")
+    share = tp_share(pr.tp_split_fraction, t)
+    compute = b * pr.step_compute_time_per_sample * share + (pr.tp_dispatch_time if t > 1 else 0.0)
+    return Cost(devices=t, batch=b, compute=compute, comm=comm, exposed=comm, traffic=traffic,
+                optimizer_divisor=t, note="tp across nodes" if t > hw.num_devices_per_node else "")
 
 
 def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     # The default layout: tensor degree 2 (consecutive ranks), FSDP over the s = w / 2
-    # groups, each FSDP unit holding 1/2 of a layer; overlap as FSDP.
+    # groups, each FSDP unit holding a tensor rank's part of a layer (1/2 of the split
+    # parameters, all of the replicated ones); overlap as FSDP.
     w, t, layers = hw.world_size, 2, pr.num_layers
     if w % t:
         return Cost(devices=w, batch=b, compute=b * pr.step_compute_time_per_sample,
@@ -193,17 +207,20 @@ def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     tp_comm, tp_traffic = _tp_comm(pr, hw, b, t)
     bw, lat = (hw.intra_node_bandwidth, hw.intra_node_latency) if w <= hw.num_devices_per_node \
         else _slowest_link(hw)
-    ag = ring_allgather_time(pr.param_size / layers / t, s, bw, lat)
-    rs = ring_reduce_scatter_time(pr.grad_size / layers / t, s, bw, lat)
-    compute = b * pr.step_compute_time_per_sample / t
-    exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample / t,
+    local = tp_share(pr.tp_split_param_fraction, t)
+    ag = ring_allgather_time(pr.param_size / layers * local, s, bw, lat)
+    rs = ring_reduce_scatter_time(pr.grad_size / layers * local, s, bw, lat)
+    share = tp_share(pr.tp_split_fraction, t)
+    exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample * share,
                               overlap=o.overlap, tail=ag)
-    exp_b = exposed_comm_time(layers * (ag + rs), b * pr.backward_time_per_sample / t,
+    exp_b = exposed_comm_time(layers * (ag + rs), b * pr.backward_time_per_sample * share,
                               overlap=o.overlap, tail=rs)
-    fsdp_traffic = 0.0 if s == 1 else (s - 1) / s * (2 * pr.param_size + pr.grad_size) / t
-    return Cost(devices=w, batch=s * b, compute=compute, comm=tp_comm + layers * (2 * ag + rs),
-                exposed=tp_comm + exp_f + exp_b, traffic=tp_traffic + fsdp_traffic,
-                note=f"shard {s} x tensor {t}", optimizer_divisor=w)
+    fsdp_traffic = 0.0 if s == 1 else (s - 1) / s * (2 * pr.param_size + pr.grad_size) * local
+    return Cost(devices=w, batch=s * b,
+                compute=b * pr.step_compute_time_per_sample * share + pr.tp_dispatch_time,
+                comm=tp_comm + layers * (2 * ag + rs), exposed=tp_comm + exp_f + exp_b,
+                traffic=tp_traffic + fsdp_traffic, note=f"shard {s} x tensor {t}",
+                optimizer_divisor=w)
 
 
 def _ps(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:

@@ -32,6 +32,7 @@ from paratrain.plan.costs import (
     _slowest_link,
     _stage_split,
     _tp_comm,
+    tp_share,
 )
 from paratrain.plan.types import Hardware, ModelProfile
 
@@ -163,28 +164,36 @@ def layout_cost(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
     p, r, s, t = degrees.shape
     w, layers = hw.world_size, pr.num_layers
     note = f"pipeline {p} x replicate {r} x shard {s} x tensor {t}"
-    # Each stage's 1/t of a layer is one FSDP unit, sharded over s and replicated over r.
+    # Each stage's tensor-rank part of a layer (1/t of the split parameters, all of the
+    # replicated ones) is one FSDP unit, sharded over s and replicated over r.
     shard_hw = group_hardware(hw, size=s, stride=t)
     rep_hw = group_hardware(hw, size=r, stride=s * t)
-    ag = allgather_time(pr.param_size / layers / t, shard_hw)
-    rs = reduce_scatter_time(pr.grad_size / layers / t, shard_hw)
-    ar = allreduce_time(pr.grad_size / layers / t / s, rep_hw)
+    held = tp_share(pr.tp_split_param_fraction, t)
+    ag = allgather_time(pr.param_size / layers * held, shard_hw)
+    rs = reduce_scatter_time(pr.grad_size / layers * held, shard_hw)
+    ar = allreduce_time(pr.grad_size / layers * held / s, rep_hw)
     sharded = dict(devices=w, optimizer_divisor=p * t * s, shard_devices=p * t * s)
     if p == 1:
         return _unpipelined(pr, hw, b, o, degrees, ag=ag, rs=rs, ar=ar, note=note,
-                            traffic=2 * allgather_bytes(pr.param_size / t, shard_hw)
-                            + allgather_bytes(pr.grad_size / t, shard_hw)
-                            + allreduce_bytes(pr.grad_size / t / s, rep_hw), **sharded)
+                            traffic=2 * allgather_bytes(pr.param_size * held, shard_hw)
+                            + allgather_bytes(pr.grad_size * held, shard_hw)
+                            + allreduce_bytes(pr.grad_size * held / s, rep_hw), **sharded)
     batch = b * p  # one pipeline's mini-batch, as strategy pipeline counts it
     m = _microbatches(o, p, batch)
     chain = len(pr.chain) or layers
     if chain < p:
-        return Cost(batch=batch * r * s, compute=b * pr.step_compute_time_per_sample / t,
+        return Cost(batch=batch * r * s,
+                    compute=b * pr.step_compute_time_per_sample * tp_share(pr.tp_split_fraction, t),
                     applicable=False, note=f"{note}: needs >= {p} layers, model has {chain}",
                     **sharded)
     micro = batch / m
     shares, boundary = _stage_split(pr, p, micro)
-    work = [micro * pr.step_compute_time_per_sample * share / t for share in shares]
+    # A tensor rank computes its part of the split work and all of the rest, plus
+    # DTensor's fixed dispatch cost per step, spread over the stages' micro-batches.
+    split = tp_share(pr.tp_split_fraction, t)
+    dispatch = pr.tp_dispatch_time / (p * m) if t > 1 else 0.0
+    work = [micro * pr.step_compute_time_per_sample * share * split + dispatch
+            for share in shares]
     # The stage's share of the blocks does the tensor all-reduces of one micro-batch.
     tp_comm, tp_traffic = (x / p for x in _tp_comm(pr, hw, micro, t))
     # FSDP reshards after each forward and the pipelining stage keeps backward's gather
@@ -204,11 +213,11 @@ def layout_cost(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
     # to hide behind: per unit over shard (+ replicate) under FSDP, one flat all-reduce
     # over the replicas without it.
     reduce = (stage_layers * (rs + ar) if s > 1
-              else allreduce_time(pr.grad_size / p / t, rep_hw))
+              else allreduce_time(pr.grad_size / p * held, rep_hw))
     traffic = (2 * m * boundary + m * tp_traffic
-               + m * allgather_bytes(pr.param_size / p / t, shard_hw)
-               + allgather_bytes(pr.grad_size / p / t, shard_hw)
-               + allreduce_bytes(pr.grad_size / p / t / s, rep_hw))
+               + m * allgather_bytes(pr.param_size / p * held, shard_hw)
+               + allgather_bytes(pr.grad_size / p * held, shard_hw)
+               + allreduce_bytes(pr.grad_size / p * held / s, rep_hw))
     return Cost(batch=batch * r * s, compute=compute,
                 comm=2 * m * p2p + m * (tp_comm + stage_layers * ag) + reduce,
                 exposed=max(0.0, step - busy) + reduce, bubble=busy - compute,
@@ -225,12 +234,14 @@ def _unpipelined(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
     _, r, s, t = degrees.shape
     layers = pr.num_layers
     tp_comm, tp_traffic = _tp_comm(pr, hw, b, t)
-    exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample / t,
+    split = tp_share(pr.tp_split_fraction, t)
+    exp_f = exposed_comm_time(layers * ag, b * pr.forward_time_per_sample * split,
                               overlap=o.overlap, tail=ag)
-    exp_b = exposed_comm_time(layers * (ag + rs + ar), b * pr.backward_time_per_sample / t,
+    exp_b = exposed_comm_time(layers * (ag + rs + ar), b * pr.backward_time_per_sample * split,
                               overlap=o.overlap, tail=rs + ar)
     runnable = t == 1
-    return Cost(batch=r * s * b, compute=b * pr.step_compute_time_per_sample / t,
+    dispatch = pr.tp_dispatch_time if t > 1 else 0.0
+    return Cost(batch=r * s * b, compute=b * pr.step_compute_time_per_sample * split + dispatch,
                 comm=tp_comm + layers * (2 * ag + rs + ar), exposed=tp_comm + exp_f + exp_b,
                 traffic=tp_traffic + traffic, applicable=runnable,
                 note=note if runnable else f"{note}: hybrid needs a pipeline for tensor > 1",

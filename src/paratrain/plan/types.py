@@ -77,6 +77,23 @@ class ModelProfile:
     optimizer_step_time: float = 0.0
     """Seconds of one optimizer step over all parameters on one device (once per step,
     not per sample). Strategies that shard the optimizer state divide it."""
+    tp_allreduces: int = 0
+    """All-reduces one forward + backward makes under the tensor-parallel plan (one per
+    rowwise layer forward, one per colwise layer backward; see
+    :mod:`paratrain.plan.tensor`). 0: unknown, and ``tp``/``fsdp_tp`` fall back to 4 per
+    layer of ``activation_bytes_per_sample / num_layers`` each (an overestimate)."""
+    tp_allreduce_bytes_per_sample: float = 0.0
+    """Bytes per sample of those all-reduces, summed."""
+    tp_split_fraction: float = 1.0
+    """Share of ``compute_time_per_sample`` in the split layers' modules; the rest
+    (embeddings, norms, head, loss) runs whole on every tensor rank. 1.0: all split."""
+    tp_split_param_fraction: float = 1.0
+    """Share of the parameters in split layers; the rest is replicated on every tensor rank."""
+    tp_dispatch_time: float = 0.0
+    """Seconds per step (not per sample) a tensor rank spends beyond its share of the
+    arithmetic: DTensor's per-operation work on the host, large on CPU at small sizes.
+    ``calibrate`` cannot measure it (it needs a process group); a split model timed on a
+    fake process group can (``benchmarks/plan_validation_tp.py``). 0: not counted."""
 
     def __post_init__(self) -> None:
         check_positive_int("num_parameters", self.num_parameters)
@@ -99,6 +116,15 @@ class ModelProfile:
                              f"({len(self.chain)}), got {len(self.chain_times)}")
         for seconds in self.chain_times:
             check_number("chain_times", seconds, positive=False)
+        if isinstance(self.tp_allreduces, bool) or not isinstance(self.tp_allreduces, int) \
+                or self.tp_allreduces < 0:
+            raise ValueError(f"tp_allreduces must be an integer >= 0, got {self.tp_allreduces!r}")
+        for name in ("tp_allreduce_bytes_per_sample", "tp_dispatch_time"):
+            check_number(name, getattr(self, name), positive=False)
+        for name in ("tp_split_fraction", "tp_split_param_fraction"):
+            check_number(name, getattr(self, name), positive=False)
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(
                 f"activation_checkpointing must be a bool, got {self.activation_checkpointing!r}"
