@@ -151,6 +151,22 @@ def test_memory_falls_by_pipeline_x_shard_x_tensor(degrees, divisor):
     assert got.memory_bytes == pytest.approx(16e6 / divisor)  # 4 + 4 + 8 MB over the sharding
 
 
+def test_tensor_ranks_keep_the_replicated_layers_whole():
+    # A quarter of the parameters (embeddings, norms, head) stays whole on every tensor
+    # rank: t = 4 holds 0.75 / 4 + 0.25 of the state, then FSDP / stages divide that.
+    pr = profile(activation_bytes_per_sample=0.0, tp_split_param_fraction=0.75)
+    held = 0.75 / 4 + 0.25
+    one_node = hardware(num_nodes=1, num_devices_per_node=4)
+    assert predict("tp", pr, one_node, batch_size_per_device=4).memory_bytes == pytest.approx(
+        16e6 * held)
+    held = 0.75 / 2 + 0.25
+    assert predict("fsdp_tp", pr, one_node, batch_size_per_device=4).memory_bytes == \
+        pytest.approx(16e6 * held / 2)
+    got = predict("hybrid", pr, hardware(), batch_size_per_device=4, layout=ParallelDegrees(
+        pipeline_degree=2, replicate_degree=1, shard_degree=2, tensor_degree=2))
+    assert got.memory_bytes == pytest.approx(16e6 * held / 4)
+
+
 def test_groups_use_the_links_their_axis_crosses():
     hw = hardware()  # 2 nodes x 4
     assert (group_hardware(hw, size=2, stride=2).num_nodes, group_hardware(hw, size=2, stride=2)

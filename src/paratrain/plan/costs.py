@@ -61,6 +61,9 @@ class Cost:
     """How many devices (or servers) share the optimizer step, in parallel."""
     shard_devices: int | None = None
     """Devices the "N" parts of the sharding are split over; None: all of ``devices``."""
+    tensor_held: float = 1.0
+    """Share of each "N" part a device keeps before that division: a tensor rank holds
+    1/t of the split layers and all of the replicated ones (``tp_share``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +195,9 @@ def _tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     share = tp_share(pr.tp_split_fraction, t)
     compute = b * pr.step_compute_time_per_sample * share + (pr.tp_dispatch_time if t > 1 else 0.0)
     return Cost(devices=t, batch=b, compute=compute, comm=comm, exposed=comm, traffic=traffic,
-                optimizer_divisor=t, note="tp across nodes" if t > hw.num_devices_per_node else "")
+                optimizer_divisor=t, shard_devices=1,
+                tensor_held=tp_share(pr.tp_split_param_fraction, t),
+                note="tp across nodes" if t > hw.num_devices_per_node else "")
 
 
 def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
@@ -220,7 +225,7 @@ def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
                 compute=b * pr.step_compute_time_per_sample * share + pr.tp_dispatch_time,
                 comm=tp_comm + layers * (2 * ag + rs), exposed=tp_comm + exp_f + exp_b,
                 traffic=tp_traffic + fsdp_traffic, note=f"shard {s} x tensor {t}",
-                optimizer_divisor=w)
+                optimizer_divisor=w, shard_devices=s, tensor_held=local)
 
 
 def _ps(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:

@@ -172,7 +172,8 @@ def layout_cost(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
     ag = allgather_time(pr.param_size / layers * held, shard_hw)
     rs = reduce_scatter_time(pr.grad_size / layers * held, shard_hw)
     ar = allreduce_time(pr.grad_size / layers * held / s, rep_hw)
-    sharded = dict(devices=w, optimizer_divisor=p * t * s, shard_devices=p * t * s)
+    sharded = dict(devices=w, optimizer_divisor=p * t * s, shard_devices=p * s,
+                   tensor_held=held)
     if p == 1:
         return _unpipelined(pr, hw, b, o, degrees, ag=ag, rs=rs, ar=ar, note=note,
                             traffic=2 * allgather_bytes(pr.param_size * held, shard_hw)

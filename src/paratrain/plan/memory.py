@@ -39,15 +39,18 @@ def state_divisors(sharding: tuple[str, str, str], num_devices: int) -> tuple[in
 
 
 def memory_per_device(sharding: tuple[str, str, str], profile: ModelProfile, *, num_devices: int,
-                      batch_size_per_device: int) -> MemoryEstimate:
+                      batch_size_per_device: int, tensor_held: float = 1.0) -> MemoryEstimate:
     """Memory of one device holding ``sharding`` of the state over ``num_devices``, with
-    ``b`` samples of activations.
+    ``b`` samples of activations. ``tensor_held`` scales the "N" parts first (a tensor
+    rank's share of the split and replicated layers).
 
     Example: 1M fp32 parameters with Adam sharded ``("N", "N", "N")`` (as ``fsdp``) over 4
     devices hold (4 MB + 4 MB + 8 MB) / 4 = 4 MB of state, plus activations.
     """
     sizes = (profile.param_size, profile.grad_size, profile.optimizer_size)
     divisors = state_divisors(sharding, num_devices)
+    sizes = tuple(size * tensor_held if part == "N" else size
+                  for size, part in zip(sizes, sharding, strict=True))
     pm, gm, om = (0.0 if d == 0 else size / d for size, d in zip(sizes, divisors, strict=True))
     am = batch_size_per_device * profile.stored_activation_bytes_per_sample
     return MemoryEstimate(param_memory=pm, grad_memory=gm, optimizer_memory=om,

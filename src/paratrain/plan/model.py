@@ -100,7 +100,7 @@ def predict(
     # Reference: one device running the same per-device batch (profile already includes recompute).
     single_sps = b / (b * profile.step_compute_time_per_sample + profile.optimizer_step_time)
     memory = memory_per_device(model.sharding, profile, num_devices=c.shard_devices or c.devices,
-                               batch_size_per_device=b)
+                               batch_size_per_device=b, tensor_held=c.tensor_held)
     mem = memory.total
     limit = hardware.device_memory_bytes
     return Prediction(
