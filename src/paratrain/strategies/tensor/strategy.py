@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.checkpoint.sharded import parameter_names
-from paratrain.distributed.dtensor import whole
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
@@ -139,8 +138,8 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,
 def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
     """The L2 norm of all gradients, whole, whatever mesh each DTensor gradient lies on.
 
-    Gradients are grouped by mesh and placement so that each group's norm is reduced once
-    (DTensor reduces a sharded norm over its mesh), not once per parameter.
+    Gradients are grouped by mesh and placement so that each group's squares are reduced
+    once, not once per parameter.
     """
     groups: dict[Any, list[torch.Tensor]] = {}
     for p in parameters:
@@ -149,11 +148,29 @@ def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
             groups.setdefault(key, []).append(p.grad)
     if not groups:
         return torch.zeros(())
-    squares = []
-    for grads in groups.values():
-        norm = nn.utils.get_total_norm(grads)
-        squares.append(whole(norm) ** 2)
+    squares = [_sum_of_squares(grads, mesh, placements)
+               for (mesh, placements), grads in groups.items()]
     return torch.stack(squares).sum().sqrt()
+
+
+def _sum_of_squares(grads: list[torch.Tensor], mesh: Any, placements: Any) -> torch.Tensor:
+    # Local sums, then one all-reduce per sharded mesh dimension: what DTensor's norm does,
+    # without its advice (a warning on every rank) to flatten a 2-D mesh for one scalar.
+    if mesh is None:
+        return nn.utils.get_total_norm(grads) ** 2
+    if any(p.is_partial() for p in placements):
+        # Pending sums (sequence-parallel norms): complete them before squaring.
+        from torch.distributed.tensor import Replicate
+
+        placements = tuple(Replicate() if p.is_partial() else p for p in placements)
+        grads = [g.redistribute(mesh, placements) for g in grads]
+    local = nn.utils.get_total_norm([g.to_local() for g in grads]) ** 2
+    for dim, placement in enumerate(placements):
+        # Partials are gone: what is not replicated is sharded (FSDP over TP shards dim 0
+        # "strided", which is not is_shard()).
+        if not placement.is_replicate():
+            dist.all_reduce(local, group=mesh.get_group(dim))
+    return local
 
 
 def scale_gradients(params: Iterable[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
