@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.distributed.dtensor import local_piece
+
 
 def local_bytes(tensors: Iterable[Any]) -> int:
     """Bytes of this rank's part of ``tensors`` (a DTensor counts its local shard).
@@ -24,7 +26,7 @@ def local_bytes(tensors: Iterable[Any]) -> int:
     for t in tensors:
         if t is None or not hasattr(t, "dim") or t.dim() == 0:
             continue
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = local_piece(t)
         total += local.numel() * local.element_size()
     return total
 
@@ -40,11 +42,11 @@ def saved_activations(parameters: Iterable[Any]) -> Iterator[list[int]]:
     rank's part of them; each storage once, parameters excluded). Yields a one-item list
     that holds the total when the block ends."""
     skip = {local.untyped_storage().data_ptr() for local in
-            (p.to_local() if hasattr(p, "to_local") else p for p in parameters)}
+            (local_piece(p) for p in parameters)}
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = local_piece(tensor)
         storage = local.untyped_storage()
         if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from paratrain.distributed.device import peak_memory_bytes
+from paratrain.distributed.dtensor import local_piece
 from paratrain.distributed.gpu_stats import GpuUtilisation, ensure_cuda_context
 
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -67,7 +68,7 @@ class MemoryWatch:
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes this rank holds for ``tensor`` (the local shard of a DTensor)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_piece(tensor)
     return int(local.numel() * local.element_size())
 
 
@@ -85,7 +86,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> St
     seen: set[tuple[int, int]] = set()
 
     def once(t: torch.Tensor) -> int:
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = local_piece(t)
         key = (local.untyped_storage().data_ptr(), local.storage_offset())
         if local.numel() == 0 or key in seen:
             return 0

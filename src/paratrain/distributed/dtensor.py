@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["whole"]
+__all__ = ["local_piece", "whole"]
 
 
 def whole(value: Any) -> Any:
@@ -18,3 +18,9 @@ def whole(value: Any) -> Any:
     """
     full_tensor = getattr(value, "full_tensor", None)
     return full_tensor() if full_tensor is not None else value
+
+
+def local_piece(value: Any) -> Any:
+    """A DTensor's local piece (a view that writes through), or ``value`` itself."""
+    to_local = getattr(value, "to_local", None)
+    return to_local() if to_local is not None else value

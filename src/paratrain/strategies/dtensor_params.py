@@ -24,8 +24,14 @@ from paratrain.checkpoint.sharded import (
 )
 
 __all__ = ["DTensorParameters", "gradient_sync_disabled", "mixed_precision_policy",
-           "shard_units"]
+           "shard_units", "whole_model_state"]
 
+
+def whole_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state with every DTensor gathered whole (collective over its mesh)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
 
 
 def mixed_precision_policy(precision: Any, *, refuse_fp16: str) -> Any:
@@ -116,14 +122,9 @@ class DTensorParameters:
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model state on every rank (collective), e.g. for export."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
         if not self.active:
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return whole_model_state(model)
 
     def teardown(self) -> None:
         # The new parameters keep the groups alive: drop them before the group goes.

@@ -4,8 +4,8 @@ Under ``hybrid`` a stage can be split by tensor parallel over the mesh's ``tenso
 and sharded by FSDP2 over its data axes, in torchtitan's order (TP, then
 ``fully_shard``; HSDP when both ``replicate`` and ``shard`` are > 1). Its parameters
 become DTensors, so its gradient norm and its whole state go through DTensor
-collectives. :class:`SplitStages` holds those parts for
-:class:`~paratrain.strategies.pipeline.strategy.PipelineStrategy`.
+collectives (the whole state: ``dtensor_params.whole_model_state``). :class:`SplitStages`
+holds the rest for :class:`~paratrain.strategies.pipeline.strategy.PipelineStrategy`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from paratrain.strategies.tensor.strategy import (
     scale_gradients,
 )
 
-__all__ = ["SplitStages", "check_split_options", "local_piece"]
+__all__ = ["SplitStages", "check_split_options"]
 
 
 def check_split_options(degrees: ParallelDegrees, *, num_local_stages: int,
@@ -42,12 +42,6 @@ def check_split_options(degrees: ParallelDegrees, *, num_local_stages: int,
     if num_local_stages > 1 and (degrees.shard_degree > 1 or degrees.tensor_degree > 1):
         raise ValueError("schedule 'interleaved_1f1b' with sharded or tensor-parallel "
                          "stages is not supported yet; use schedule '1f1b'")
-
-
-def local_piece(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local piece (a view that writes through), or the tensor itself."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor
 
 
 class SplitStages:
@@ -72,15 +66,6 @@ class SplitStages:
                         mesh=self.mesh.submesh(*data_axes),
                         reshard_after_forward=self.fsdp_options.reshard_after_forward,
                         mp_policy=self._mp_policy or MixedPrecisionPolicy())
-
-    def _whole_stage_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The stage's state with each DTensor gathered whole (collective over its mesh)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
-        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
 
     def _clip_dtensor_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]

@@ -43,6 +43,7 @@ from paratrain.checkpoint.sharded import (
     rebuild_optimizer,
 )
 from paratrain.compile import CompileOptions, compile_forward
+from paratrain.distributed.dtensor import local_piece
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
@@ -52,15 +53,11 @@ from paratrain.strategies.capabilities import (
     PrecisionPolicy,
     ShardedState,
 )
-from paratrain.strategies.dtensor_params import mixed_precision_policy
+from paratrain.strategies.dtensor_params import mixed_precision_policy, whole_model_state
 from paratrain.strategies.fsdp import FSDPOptions
 from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
-from paratrain.strategies.pipeline.split_stages import (
-    SplitStages,
-    check_split_options,
-    local_piece,
-)
+from paratrain.strategies.pipeline.split_stages import SplitStages, check_split_options
 from paratrain.strategies.tensor.strategy import TPOptions
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -269,7 +266,7 @@ class PipelineStrategy(SplitStages, Strategy, ShardedState, PrecisionPolicy, Loc
         """Every stage's state, in stage order, on every rank (collective over the pipeline)."""
         module = self.checkpoint_module(model)
         if self.dtensor_stages:
-            local = self._whole_stage_state(module)
+            local = whole_model_state(module)  # collective over the stage's mesh
         else:
             local = {k: v.detach().clone() for k, v in module.state_dict().items()}
         if not self.active:

@@ -159,18 +159,30 @@ def _sum_of_squares(grads: list[torch.Tensor], mesh: Any, placements: Any) -> to
     if mesh is None:
         return nn.utils.get_total_norm(grads) ** 2
     if any(p.is_partial() for p in placements):
-        # Pending sums (sequence-parallel norms): complete them before squaring.
-        from torch.distributed.tensor import Replicate
-
-        placements = tuple(Replicate() if p.is_partial() else p for p in placements)
-        grads = [g.redistribute(mesh, placements) for g in grads]
+        raise RuntimeError("gradients with pending sums (Partial); call complete_gradients "
+                           "before taking their norm")
     local = nn.utils.get_total_norm([g.to_local() for g in grads]) ** 2
     for dim, placement in enumerate(placements):
-        # Partials are gone: what is not replicated is sharded (FSDP over TP shards dim 0
-        # "strided", which is not is_shard()).
+        # What is not replicated is sharded (FSDP over TP shards dim 0 "strided", which is
+        # not is_shard()).
         if not placement.is_replicate():
             dist.all_reduce(local, group=mesh.get_group(dim))
     return local
+
+
+def complete_gradients(params: Iterable[nn.Parameter]) -> None:
+    """Sum pending (``Partial``) DTensor gradients over their mesh, once, in place.
+
+    The sequence-parallel norms' gradients come out of backward as per-rank partial sums;
+    left so, every optimizer op and norm that reads them would all-reduce them again.
+    """
+    from torch.distributed.tensor import Replicate
+
+    for p in params:
+        placements = getattr(p.grad, "placements", ())
+        if any(x.is_partial() for x in placements):
+            whole_sum = tuple(Replicate() if x.is_partial() else x for x in placements)
+            p.grad = p.grad.redistribute(p.grad.device_mesh, whole_sum)
 
 
 def scale_gradients(params: Iterable[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
@@ -266,8 +278,15 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
             return contextlib.nullcontext()
         return super().no_sync(model)
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.options.sequence_parallel:
+            complete_gradients(p for group in optimizer.param_groups for p in group["params"])
+        optimizer.step()
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
+        if self.options.sequence_parallel:
+            complete_gradients(params)
         total = global_grad_norm(params)
         scale_gradients(params, total, max_norm)
         return total
