@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from paratrain.testing.numerics import REASSOCIATION
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -196,7 +198,8 @@ def test_gpt_tensor_parallel_follows_ddp(tmp_path, gpt_ddp_summary, strategy, np
     assert summary["strategy"] == strategy and summary["world_size"] == nproc
     assert [row["step"] for row in summary["history"]] == [2, 4]
     # Same seed and global batch: only the split matmuls' summation order differs from
-    # ddp. Observed: at most 2.4e-7 over 40 steps (docs/benchmarks.md); 1e-5 leaves margin.
+    # ddp, which changes a float32 loss by at most REASSOCIATION relative on any CPU
+    # (paratrain.testing.numerics; observed here: 2.4e-7 over 40 steps, docs/benchmarks.md).
     for row, ref in zip(summary["history"], gpt_ddp_summary["history"], strict=True):
         assert math.isfinite(row["val_loss"])
-        assert abs(row["val_loss"] - ref["val_loss"]) < 1e-5, (row, ref)
+        assert abs(row["val_loss"] - ref["val_loss"]) <= REASSOCIATION * ref["val_loss"], (row, ref)

@@ -62,3 +62,18 @@ def test_every_variable_is_documented():
     doc = (SRC.parents[1] / "docs" / "architecture.md").read_text()
     missing = [env for env, _ in VARIABLES.values() if env not in doc]
     assert not missing, f"docs/architecture.md lacks {missing}"
+
+
+@pytest.mark.parametrize("name, line", [
+    ("PARATRAIN_TIMEOUT_S", "PARATRAIN_TIMEOUT_S='inf' must be a finite number of seconds > 0 "
+                            "(e.g. 86400 for a day)"),
+    ("PARATRAIN_TERM_GRACE_S", "PARATRAIN_TERM_GRACE_S='inf' must be a finite number of seconds "
+                               "> 0 (e.g. 86400 for a day)"),
+    ("PARATRAIN_COLLECTIVE_WARN_S", "PARATRAIN_COLLECTIVE_WARN_S='inf' must be a finite number of "
+                                    "seconds >= 0 (0 disables the stuck-collective report)"),
+])
+def test_infinite_seconds_are_refused(name, line):
+    """inf passed the `> 0` check, then overflowed the process group's timedelta."""
+    with pytest.raises(ValueError) as info:
+        Settings.from_environ({name: "inf"})
+    assert str(info.value) == line

@@ -15,6 +15,7 @@ from paratrain.checkpoint import CheckpointError
 from paratrain.config import RunConfig
 from paratrain.data import DataCursor, DistributedLoader, ShardedSampler
 from paratrain.distributed.topology import Topology
+from paratrain.parallel import Parallel, Pipeline, Sharding, TensorParallel
 from paratrain.run import Run, seed_everything
 from paratrain.strategies import Strategy, available_strategies
 
@@ -24,11 +25,15 @@ __all__ = [
     "CheckpointError",
     "DataCursor",
     "DistributedLoader",
+    "Parallel",
+    "Pipeline",
     "Run",
     "RunConfig",
     "ShardedSampler",
+    "Sharding",
     "datasets",
     "Strategy",
+    "TensorParallel",
     "Topology",
     "available_strategies",
     "seed_everything",

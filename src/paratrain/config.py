@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from paratrain.fieldtypes import check_types
+
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+NAN_POLICIES = ("stop", "skip", "warn")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,6 +24,18 @@ class RunConfig:
     strategy_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen strategy, e.g. ``{"bucket_cap_mb": 25}`` for ``ddp``."""
 
+    parallel: Any = None
+    """The layout as degrees: a ``paratrain.Parallel``, a dict of its fields or a string
+    such as ``"dp_shard=4,tp=2"`` (one degree may be -1: fill the world). With the default
+    ``strategy="auto"`` it picks the code that runs the layout; with a named strategy it
+    must describe the same degrees. None: ``PARATRAIN_PARALLEL`` (``paratrain launch
+    --parallel``) when set. See docs/strategies.md."""
+
+    sync_batchnorm: bool = False
+    """Convert every BatchNorm layer to ``SyncBatchNorm`` in ``run.prepare`` so that the
+    batch statistics are taken over the global batch (the data-parallel ranks), as one
+    process would."""
+
     precision: str = "32"
     """Numeric precision: ``32``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true``."""
 
@@ -27,6 +44,14 @@ class RunConfig:
 
     max_grad_norm: float | None = None
     """Clip gradients to this global L2 norm before each optimizer step."""
+
+    nan: str = "stop"
+    """What a non-finite (NaN/inf) loss, or gradient norm with ``max_grad_norm``, does:
+    ``stop`` (one line naming the step, the ranks and the batch; the step's update is
+    already applied), ``skip`` (no update, no scheduler step, counted in
+    ``run.epoch_stats``' ``skipped_steps``; 8 in a row stop) or ``warn`` (one warning
+    line, training goes on). Under ``16-mixed`` the loss scaler skips such steps itself
+    and 8 in a row stop the run. See ``docs/precision.md``."""
 
     checkpoint_activations: Any = None
     """Submodules whose activations are recomputed in backward to save memory: a
@@ -45,7 +70,7 @@ class RunConfig:
     More processes per node than GPUs are refused unless ``PARATRAIN_SHARE_GPUS=1``
     (``paratrain launch --share-gpus``) shares them round-robin, for testing only."""
 
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | os.PathLike | None = None
     """Directory for resumable checkpoints; a run resumes from its newest one."""
 
     checkpoint_every: int | None = None
@@ -63,10 +88,10 @@ class RunConfig:
     progress: bool = True
     """Show a progress bar on rank 0."""
 
-    metrics_path: str | None = None
+    metrics_path: str | os.PathLike | None = None
     """Append metrics on rank 0 to this ``.csv`` or ``.jsonl`` file."""
 
-    tensorboard_dir: str | None = None
+    tensorboard_dir: str | os.PathLike | None = None
     """Also write metrics to TensorBoard event files here (needs tensorboard)."""
 
     tokens_per_sample: int | None = None
@@ -82,14 +107,44 @@ class RunConfig:
     (``mode``, ``fullgraph``, ``dynamic``, ``backend``, ``options``). The strategy places
     it (see ``docs/performance.md``); ``{"mode": "reduce-overhead"}`` adds CUDA graphs."""
 
+    @classmethod
+    def from_arguments(cls, arguments: dict[str, Any], *,
+                       also: tuple[str, ...] = ("environ",)) -> RunConfig:
+        """The config of ``Run(**arguments)``; a misspelled name is one ValueError line
+        with the closest valid name (``also``: ``Run``'s own arguments)."""
+        known = [f.name for f in fields(cls)]
+        for name in arguments:
+            if name not in known:
+                close = difflib.get_close_matches(name, [*known, *also], n=1)
+                hint = f"did you mean {close[0]!r}?" if close else \
+                    f"the arguments are {', '.join([*known, *also])}"
+                raise ValueError(f"Run() got an unknown argument {name!r}; {hint}")
+        return cls(**arguments)
+
     def __post_init__(self) -> None:
         from paratrain.compile import CompileOptions
 
+        # Types first, one line each: the checks below assume them. precision,
+        # accelerator and compile keep their own message, which lists the choices.
+        check_types(RunConfig, {f.name: getattr(self, f.name) for f in fields(self)
+                                if f.name not in ("precision", "accelerator", "compile")},
+                    infinite_ok=("max_grad_norm",))  # inf: measure the norm, never clip
+        for name in ("checkpoint_dir", "metrics_path", "tensorboard_dir"):
+            if getattr(self, name) is not None:  # a pathlib.Path is a str from here on
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         CompileOptions.from_config(self.compile)
         if not isinstance(self.strategy, str) or not self.strategy:
             raise ValueError(f"strategy must be a strategy name, got {self.strategy!r}")
+        if self.parallel is not None:
+            from paratrain.parallel import Parallel
+
+            Parallel.parse(self.parallel)
+        if not isinstance(self.sync_batchnorm, bool):
+            raise ValueError(f"sync_batchnorm must be True or False, got {self.sync_batchnorm!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.nan not in NAN_POLICIES:
+            raise ValueError(f"nan must be one of {NAN_POLICIES}, got {self.nan!r}")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1, got {self.accumulate!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "launched": ("PARATRAIN_LAUNCHED", "set to `1` by `paratrain launch` in its workers"),
     "ps_servers": ("PARATRAIN_PS_SERVERS",
                    "parameter-server ranks (set by `paratrain launch --ps-servers`)"),
+    "parallel": ("PARATRAIN_PARALLEL",
+                 "the layout as degrees (`dp_shard=2,tp=2`) when `Run(parallel=...)` is not given "
+                 "(set by `paratrain launch --parallel`)"),
     "data_dir": ("PARATRAIN_DATA_DIR", "where `paratrain.datasets` looks for Fashion-MNIST first"),
     "kill_rank": ("PARATRAIN_KILL_RANK", "fault injection: the rank the two below apply to"),
     "kill_at_step": ("PARATRAIN_KILL_AT_STEP", "fault injection: SIGKILL after this step"),
@@ -78,6 +82,7 @@ class Settings:
     show_traceback: bool = False
     launched: bool = False
     ps_servers: int | None = None
+    parallel: str | None = None
     data_dir: str | None = None
     kill_rank: int | None = None
     kill_at_step: int | None = None
@@ -110,6 +115,7 @@ class Settings:
             show_traceback=raw("show_traceback") not in ("", "0"),
             launched=raw("launched") == "1",
             ps_servers=_ps_servers(env),
+            parallel=raw("parallel") or None,
             data_dir=raw("data_dir") or None,
             kill_rank=_int(env, VARIABLES["kill_rank"][0]),
             kill_at_step=_int(env, VARIABLES["kill_at_step"][0]),
@@ -131,7 +137,8 @@ def _flag(env: Mapping[str, str], name: str) -> bool | None:
 
 
 def _seconds(env: Mapping[str, str], name: str) -> float | None:
-    """A number of seconds > 0; None when unset."""
+    """A finite number of seconds > 0; None when unset (``inf`` would overflow the
+    timeouts built from it)."""
     raw = env.get(name, "")
     if raw == "":
         return None
@@ -141,6 +148,9 @@ def _seconds(env: Mapping[str, str], name: str) -> float | None:
             raise ValueError
     except ValueError:
         raise ValueError(f"{name}={raw!r} must be a number of seconds > 0") from None
+    if math.isinf(value):
+        raise ValueError(f"{name}={raw!r} must be a finite number of seconds > 0 "
+                         "(e.g. 86400 for a day)")
     return value
 
 
@@ -154,6 +164,9 @@ def _warn_seconds(env: Mapping[str, str]) -> float:
     except ValueError:
         raise ValueError(f"{name}={raw!r} must be a number of seconds >= 0 "
                          "(0 disables the stuck-collective report)") from None
+    if math.isinf(value):
+        raise ValueError(f"{name}={raw!r} must be a finite number of seconds >= 0 "
+                         "(0 disables the stuck-collective report)")
     return value
 
 
@@ -210,3 +223,4 @@ def _straggler(value: str) -> Straggler | None:
             "(RANK an integer or *, SECONDS >= 0, PROBABILITY in [0, 1]), e.g. 1:0.05"
         ) from None
     return Straggler(rank=rank, seconds=delay, probability=probability)
+

@@ -85,6 +85,36 @@ def test_scaling_efficiency_uses_single_then_own_baseline():
     assert alone[1].scaling_efficiency == pytest.approx(0.75)
 
 
+def test_efficiency_above_linear_is_flagged_with_the_baselines_cpu_never_plain():
+    # The single baseline measured slow (a busy machine: 45% of a core): ddp x2 would
+    # read 165% efficient.
+    rows = [row_from_results(name, n, [rank_result(0, step_s=[64 / speed], compute_s=[0.1],
+                                                   peak=1, cpu_percent=cpu)],
+                             epoch_samples=64, num_processes=n)
+            for name, n, speed, cpu in [("single", 1, 100.0, 45.0), ("ddp", 2, 330.0, 99.0),
+                                        ("fsdp", 2, 150.0, 99.0)]]
+    add_scaling_efficiency(rows)
+    assert rows[1].scaling_efficiency == pytest.approx(1.65)
+    assert rows[1].efficiency_flag.startswith("above 105%: baseline single x1 (CPU 45%)")
+    assert rows[2].scaling_efficiency == pytest.approx(0.75) and rows[2].efficiency_flag == ""
+    lines = BenchReport(settings={}, rows=rows).format_table().splitlines()
+    assert "165% (!)" in lines[3] and "likely measured slow" in lines[3]
+    assert " 75% " in lines[4] + " " and "(!)" not in lines[4]
+
+
+def test_rows_whose_windows_spread_are_noisy_and_so_is_efficiency_against_them():
+    spread = rank_result(0, step_s=[0.1, 0.2, 0.16], compute_s=[0.1] * 3, peak=1)
+    steady = rank_result(0, step_s=[0.1, 0.104, 0.102], compute_s=[0.1] * 3, peak=1)
+    base = row_from_results("single", 1, [spread], epoch_samples=64, num_processes=1)
+    row = row_from_results("ddp", 2, [steady], epoch_samples=64, num_processes=2)
+    assert base.noisy and not row.noisy  # 320-640 around 400; 615-640 around 627
+    add_scaling_efficiency([base, row])
+    assert row.scaling_efficiency == pytest.approx(627.45 / 800, rel=1e-3)
+    assert row.efficiency_flag == "baseline single x1 (CPU 90%) noisy: its windows spread over 10%"
+    table = BenchReport(settings={}, rows=[base, row]).format_table().splitlines()
+    assert "noisy" in table[2] and "(!)" in table[3]
+
+
 def test_table_lists_skipped_rows_with_reason():
     report = BenchReport(settings={}, rows=[
         row_from_results("ddp", 2, [rank_result(0, step_s=[0.1], compute_s=[0.1], peak=5)],

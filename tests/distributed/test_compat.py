@@ -74,3 +74,27 @@ def test_rebind_lr_scheduler_moves_the_schedule_and_its_order_check():
         scheduler.step()
     assert new.param_groups[0]["lr"] == pytest.approx(0.1)
     assert old.param_groups[0]["lr"] == 1.0
+
+
+def test_shard_indices_follow_dtensor_including_uneven_and_empty_pieces():
+    from torch.distributed.tensor import Replicate, Shard
+
+    # (shard, tensor) = (1, 0) of a 2 x 2 mesh: rows 2-3, columns 0-2 of a 4 x 6 tensor.
+    rows, cols = _compat.shard_indices((4, 6), (2, 2), (1, 0), (Shard(0), Shard(1)))
+    assert rows.tolist() == [2, 3] and cols.tolist() == [0, 1, 2]
+    # Both mesh dimensions on 3 rows: torch.chunk's pieces 2 + 1, then 1 + 1 and 1 + 0.
+    pieces = [_compat.shard_indices((3,), (2, 2), (s, t), (Shard(0), Shard(0)))[0].tolist()
+              for s in range(2) for t in range(2)]
+    assert pieces == [[0], [1], [2], []]
+    assert _compat.shard_indices((3,), (2,), (1,), (Replicate(),))[0].tolist() == [0, 1, 2]
+
+
+def test_all_gather_single_in_a_group_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    try:
+        out = torch.empty(3)
+        _compat.all_gather_single(out, torch.arange(3.0), dist.group.WORLD)
+        assert out.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        dist.destroy_process_group()

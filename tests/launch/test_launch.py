@@ -261,3 +261,29 @@ def test_closing_the_reporter_ends_its_progress_bar():
     reporter.close()  # a stop message printed now must not be followed by the bar
     assert reporter._bar is None and bar.disable
     batches.close()
+
+
+def test_launcher_flag_after_the_script_is_named(tmp_path):
+    """torchrun's rule: after the script, flags are the script's. The job ran one process
+    without a word; now one line says where the flag went."""
+    script = tmp_path / "show.py"
+    script.write_text("import os, sys\nprint('world', os.environ['WORLD_SIZE'], sys.argv[1:])\n")
+    result = run_cli("launch", str(script), "--nproc-per-node", "2", timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "world 1 ['--nproc-per-node', '2']" in result.stdout  # as torchrun: the script's
+    assert (f"paratrain launch: --nproc-per-node appears after the script {script}, so it goes "
+            "to the script, not to the launcher; put launcher flags before the script"
+            ) in result.stderr.splitlines()
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["train.py", "--lr", "1", "--nnodes=2", "--nproc_per_node", "2"],
+     "--nnodes, --nproc_per_node appear"),
+    (["train.py", "--", "--nnodes", "2"], None),  # `--`: meant for the script
+    (["train.py", "--lr", "1", "--help"], None),
+])
+def test_misplaced_flags_notice(argv, flags):
+    from paratrain.launch.argv import misplaced_flags_notice
+
+    notice = misplaced_flags_notice(parse(*argv), argv)
+    assert (notice if notice is None else notice.split(" after ")[0]) == flags

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -37,6 +38,36 @@ def test_tp_without_measured_fields_keeps_the_old_estimate():
     comm = 4 * 8 * ring_allreduce_time(4 * 8000 / 8, 2, GB, 1e-4)
     assert p.exposed_comm_time == pytest.approx(comm)
     assert p.compute_time == pytest.approx(4 * 1e-3 / 2)
+
+
+def test_tp_with_unknown_activation_traffic_is_not_ranked_and_names_the_flag(capsys):
+    # `paratrain plan --num-parameters 1000000000` over 10 GbE: no activation bytes, so
+    # tp's all-reduces would be costed at 0 bytes and tp recommended at 98% efficiency.
+    from paratrain.distributed.mesh import ParallelDegrees
+    from paratrain.plan.cli import main
+
+    assert main(["--num-parameters", "1000000000", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {p["strategy"]: p for p in data["predictions"]}
+    for name in ("tp", "fsdp_tp"):
+        assert not rows[name]["applicable"], rows[name]
+        assert rows[name]["note"].startswith("not ranked: tensor-parallel traffic unknown")
+        assert "--activation-bytes" in rows[name]["note"]
+    assert data["recommendation"] not in ("tp", "fsdp_tp")
+    assert main(["--num-parameters", "1000000000"]) == 0
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("tp "))
+    assert "98%" not in line and "pass --activation-bytes" in line
+    # Nor may hybrid's layout search pick a tensor degree; with activation bytes given
+    # (or measured all-reduces), tp is costed as before.
+    bare = profile(activation_bytes_per_sample=0.0)
+    layout = ParallelDegrees(pipeline_degree=2, tensor_degree=2)
+    assert not predict("hybrid", bare, Hardware(num_devices_per_node=4), batch_size_per_device=4,
+                       layout=layout).applicable
+    assert predict("tp", profile(), two_devices(), batch_size_per_device=4).applicable
+    assert predict("tp", profile(activation_bytes_per_sample=0.0, tp_allreduces=4,
+                                 tp_allreduce_bytes_per_sample=100.0), two_devices(),
+                   batch_size_per_device=4).applicable
 
 
 def test_tp_uses_the_measured_allreduces_and_the_replicated_share():

@@ -74,6 +74,92 @@ def test_optimizer_of_another_model_is_refused():
             run.prepare(model, optimizer)
 
 
+def test_stepping_an_optimizer_of_a_model_never_prepared_is_refused():
+    with make_run() as run:
+        model = nn.Linear(4, 3)
+        model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        other = nn.Linear(4, 3)
+        stray = torch.optim.SGD(other.parameters(), lr=0.1)
+        x, y = dataset().tensors
+        run.backward(F.cross_entropy(other(x), y) + F.cross_entropy(model(x), y))
+        with pytest.raises(ValueError, match=r"run.step got an optimizer none of whose "
+                                             r"parameters belong to a model passed to "
+                                             r"run.prepare\(\)"):
+            run.step(stray)
+        assert run.global_step == 0
+        # One built after prepare from the prepared model is fine.
+        later = torch.optim.SGD(model.parameters(), lr=0.1)
+        before = model.weight.detach().clone()
+        assert run.step(later) and not torch.equal(before, model.weight)
+
+
+def test_a_scheduler_also_stepped_by_hand_is_refused():
+    with make_run() as run:
+        model, optimizer, scheduler = prepared(run)
+        x, y = dataset().tensors
+        run.backward(F.cross_entropy(model(x), y))
+        run.step(optimizer)
+        run.backward(F.cross_entropy(model(x), y))
+        run.step(optimizer)  # run.step stepped the scheduler: fine so far
+        assert scheduler.last_epoch == 2
+        scheduler.step()  # ... and the loop steps it too
+        run.backward(F.cross_entropy(model(x), y))
+        with pytest.raises(RuntimeError, match=r"a scheduler passed to run.prepare\(\) was also "
+                                               r"stepped outside run.step \(its last_epoch went "
+                                               r"from 2 to 3 between two optimizer steps\)"):
+            run.step(optimizer)
+        assert run.global_step == 2
+
+
+def stale_optimizer_worker(rank, world_size, strategy, cases):
+    # One process group for every case: each Run reuses it instead of creating its own.
+    torch.distributed.init_process_group("gloo")
+    return [stale_optimizer_case(strategy, case) for case in cases]
+
+
+def stale_optimizer_case(strategy, case):
+    with paratrain.Run(strategy=strategy, accelerator="cpu", progress=False) as run:
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        head = torch.optim.SGD(model[2].parameters(), lr=0.1)  # a second one, not prepared
+        prepared_model, returned = run.prepare(model, optimizer)
+        after = torch.optim.SGD(model[2].parameters(), lr=0.1)  # built after prepare: fine
+        x, y = dataset().tensors
+        run.backward(F.cross_entropy(prepared_model(x), y))
+        try:
+            if case == "before":
+                run.step(optimizer)
+            elif case == "second":
+                run.step(head)
+            elif case == "second-by-hand":
+                head.step()
+            else:
+                after.step()
+                return run.step(returned)
+        except (ValueError, RuntimeError) as exc:
+            return str(exc)
+        return "stepped"
+
+
+@pytest.mark.slow
+def test_optimizers_that_fsdp_replaced_are_refused():
+    cases = ("before", "second", "second-by-hand", "after")
+    before, second, by_hand, fine = zip(*spawn(stale_optimizer_worker, 2, "fsdp", cases))
+    assert list(before) == ["run.step got the optimizer you built before prepare(), which strategy "
+                      "'fsdp' replaced, so stepping it would not train the prepared model; use "
+                      "the one prepare returned: model, optimizer = run.prepare(model, "
+                      "optimizer)"] * 2
+    assert all(m.startswith("run.step got an optimizer over the parameters that strategy "
+                            "'fsdp' replaced in run.prepare(), so it would train nothing")
+               for m in second), second
+    assert all(m.startswith("optimizer.step() on an optimizer over the parameters that "
+                            "strategy 'fsdp' replaced in run.prepare() trains nothing")
+               for m in by_hand), by_hand
+    assert fine == (True, True)
+    # Under ddp the parameters stay: the optimizer passed to prepare is the one returned.
+    assert spawn(stale_optimizer_worker, 2, "ddp", ["before"]) == [["stepped"]] * 2
+
+
 def test_evaluate_on_an_empty_loader_is_refused():
     with make_run() as run:
         model = run.prepare(nn.Linear(4, 3))

@@ -9,6 +9,7 @@ from torch.utils.data import TensorDataset
 import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.precision import Precision
+from paratrain.testing.numerics import REASSOCIATION, assert_gradients_within
 
 
 def dataset(n=32):
@@ -104,6 +105,41 @@ def test_fp16_scaler_state_is_checkpointed(tmp_path):
         assert run.global_step == 2
 
 
+def fp16_epoch(nan_every_batch, **config):
+    """One epoch of 16-mixed over 8 batches; a NaN sample in the first (or every) batch."""
+    x, y = dataset(64).tensors
+    x[0::8 if nan_every_batch else 64, 0] = float("nan")
+    run = paratrain.Run(strategy="single", accelerator="cpu", seed=1, precision="16-mixed",
+                        **config)
+    model = mlp()
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = run.loader(TensorDataset(x, y), batch_size=8, shuffle=False)
+    for _ in run.epochs(1):
+        for xb, yb in run.progress(loader):
+            run.backward(F.cross_entropy(model(xb), yb))
+            run.step(optimizer)
+    return run
+
+
+def test_fp16_scaler_skips_are_counted_in_epoch_stats_and_the_bar(capsys):
+    with fp16_epoch(nan_every_batch=False) as run:
+        assert run.precision.skipped_steps >= 1
+        assert run.epoch_stats[0]["skipped_steps"] == run.precision.skipped_steps
+    assert f"skipped={run.precision.skipped_steps}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_fp16_scaler_skipping_every_step_stops_the_run(policy):
+    from paratrain.run.finite import NonFiniteError
+
+    with pytest.raises(NonFiniteError) as caught:
+        fp16_epoch(nan_every_batch=True, nan=policy)
+    assert str(caught.value).startswith(
+        "8 optimizer steps in a row were skipped (steps 1 to 8, the last at batch: epoch 0, "
+        "sample offset 56): the loss scaler found inf/nan gradients (float16 overflow or a "
+        "non-finite loss), so nothing trains; ")
+
+
 @pytest.mark.slow
 def test_bf16_mixed_trains_demo_within_one_point_of_fp32(request):
     pytest.importorskip("paratrain.datasets.images").find_fashion_mnist()
@@ -151,14 +187,23 @@ def test_ddp_communicates_gradients_in_bf16_and_fp16():
     torch.manual_seed(3)
     model = mlp()
     x, y = dataset().tensors
+    halves = []  # the largest gradient element each rank sends
+    for shard in (slice(0, 16), slice(16, 32)):
+        model.zero_grad()
+        F.cross_entropy(model(x[shard]), y[shard]).backward()
+        halves.append(max(float(p.grad.abs().max()) for p in model.parameters()))
+    model.zero_grad()
     F.cross_entropy(model(x), y).backward()
     reference = [p.grad for p in model.parameters()]
     for grads in spawn(comm_dtype_worker, 2):
-        for got, ref in zip(grads["32"], reference):
-            torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
-        for comm_dtype, rtol in (("bf16", 1e-2), ("fp16", 2e-3)):
+        # float32: the batch's sums in another order (paratrain.testing.numerics).
+        assert_gradients_within(dict(enumerate(grads["32"])), dict(enumerate(reference)))
+        # Each rank's half rounded to the wire dtype, their sum rounded again: at most
+        # 2 u times the halves' largest element (u = 2**-8 for bf16, 2**-11 for fp16).
+        for comm_dtype, u in (("bf16", 2.0 ** -8), ("fp16", 2.0 ** -11)):
             for got, ref in zip(grads[comm_dtype], reference):
-                torch.testing.assert_close(got, ref, atol=1e-4, rtol=rtol)
+                torch.testing.assert_close(got, ref, rtol=0,
+                                           atol=(2 * u + REASSOCIATION) * max(halves))
             # The compressed all-reduce rounds: the result differs from full precision.
             assert any(not torch.equal(g, r) for g, r in zip(grads[comm_dtype], grads["32"]))
 

@@ -195,6 +195,42 @@ def test_run_progress_in_a_log_prints_a_line_per_epoch(capsys):
     assert all("48/48 samples (100%)" in line and "tokens/s" in line for line in err)
 
 
+def test_progress_over_a_users_dataloader_counts_its_samples(capsys):
+    from torch.utils.data import DataLoader
+
+    with paratrain.Run(accelerator="cpu", progress=True) as run:
+        model = nn.Linear(4, 3)
+        model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = DataLoader(dataset(200), batch_size=32, shuffle=True)
+        for _ in run.epochs(1):
+            for x, y in run.progress(loader):
+                run.backward(F.cross_entropy(model(x), y))
+                run.step(optimizer)
+    assert "epoch 0: 200/200 samples (100%)" in capsys.readouterr().err
+    assert run.epoch_stats[0]["samples"] == 200  # 6 batches of 32 and one of 8
+
+
+@pytest.mark.parametrize("drop_last, total", [(False, 4100), (True, 4096)])
+def test_progress_sizes_a_distributed_sampler_loader_by_data_parallel_ranks(drop_last, total):
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from paratrain.run.samples import SampleCounter
+
+    data = dataset(4100)
+    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)
+    loader = DataLoader(data, batch_size=32, sampler=sampler, drop_last=drop_last)
+    counter = SampleCounter()
+    batches, planned, per_batch = counter.plan(loader, 2)
+    assert (planned, per_batch) == (total, 64)  # global: 2 data-parallel ranks of 32
+    assert len(list(batches)) == len(loader)
+    assert counter.in_epoch == total
+    counter.restart()
+    assert counter.in_epoch == 0
+    # A plain list of batches: sized by its batches' leading dimension.
+    _, planned, per_batch = counter.plan([torch.zeros(8, 4)] * 3, 2)
+    assert (planned, per_batch) == (48, 16)
+
+
 def test_counting_ends_at_step_when_backward_bypasses_the_run():
     with paratrain.Run(accelerator="cpu", progress=False, peak_flops=1e12) as run:
         model = run.prepare(nn.Linear(4, 2))

@@ -103,3 +103,38 @@ def test_metrics_log_csv_and_jsonl(tmp_path):
             run.log({"custom": 1.5})
         text = path.read_text()
         assert "samples_per_s" in text and "custom" in text
+
+
+def test_resuming_a_finished_run_says_it_is_complete(tmp_path, capsys):
+    """A second start in the same folder (e.g. `paratrain launch` after `python train.py`)
+    used to end in seconds with only "resumed from ...": it must say nothing is left."""
+    with make_run(checkpoint_dir=tmp_path) as run:
+        fit(run, 2)
+        path = run.save()
+    capsys.readouterr()
+    with make_run(checkpoint_dir=tmp_path) as run:
+        _, seen = fit(run, 2)
+    assert seen == []  # nothing trained
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"resumed from {path}; training was already complete (2 epochs); to train "
+                     "again, ask for more epochs or use another checkpoint_dir"]
+    with make_run(checkpoint_dir=tmp_path) as run:
+        _, seen = fit(run, 3)  # one more epoch: the usual line, and it trains
+    assert seen and capsys.readouterr().out.startswith(f"resumed from {path} (epoch 2, step 14)")
+
+
+@pytest.mark.parametrize("num_epochs", ["3", 2.0, True, -1])
+def test_epochs_wants_an_integer(num_epochs):
+    with make_run() as run:
+        with pytest.raises(ValueError) as info:
+            next(iter(run.epochs(num_epochs)))
+    assert str(info.value) == (f"run.epochs(num_epochs) needs an integer >= 0, got {num_epochs!r} "
+                               f"({type(num_epochs).__name__}); e.g. run.epochs(int(args.epochs))")
+
+
+def test_metrics_path_may_be_a_path(tmp_path):
+    """As checkpoint_dir: a pathlib.Path works (it raised AttributeError on .endswith)."""
+    with make_run(metrics_path=tmp_path / "m.jsonl") as run:
+        assert run.config.metrics_path == str(tmp_path / "m.jsonl")
+        fit(run, 1)
+    assert "samples_per_s" in (tmp_path / "m.jsonl").read_text()

@@ -8,6 +8,12 @@ import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
+from paratrain.testing.numerics import (
+    REASSOCIATION,
+    TrainingBound,
+    assert_losses_within,
+    assert_params_within,
+)
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 NUM_SAMPLES = 96
@@ -34,6 +40,7 @@ def train(strategy, batch_size, num_steps, *, accumulate=2, checkpoint_dir=None,
                         accumulate=accumulate, max_grad_norm=0.5, **kwargs)
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    bound = TrainingBound(model, optimizer) if strategy == "single" else None
     model, optimizer = run.prepare(model, optimizer)
     loader = run.loader(dataset(), batch_size=batch_size)
     losses = train_steps(run, model, optimizer, loader, num_steps=num_steps,
@@ -45,7 +52,7 @@ def train(strategy, batch_size, num_steps, *, accumulate=2, checkpoint_dir=None,
              for p in model.parameters()]
     params = full_params(run, model)
     run.close()
-    return params, losses, result, sum(local)
+    return params, losses, result, sum(local), bound
 
 
 def fsdp_worker(rank, world_size, checkpoint_dir=None):
@@ -64,16 +71,18 @@ def test_wrap_policy_selects_blocks_and_rejects_bad_values():
 
 @pytest.mark.slow
 def test_fsdp_matches_single_process_and_shards_state(tmp_path):
-    ref_params, ref_losses, ref_eval, ref_numel = train("single", 8, 6)
+    ref_params, ref_losses, ref_eval, ref_numel, bound = train("single", 8, 6)
     results = spawn(fsdp_worker, 2, str(tmp_path / "ckpt"))
-    for params, losses, evaluation, local_numel in results:
-        for name, ref in ref_params.items():
-            torch.testing.assert_close(params[name], ref, atol=1e-5, rtol=1e-5)
-        assert losses == pytest.approx(ref_losses, abs=1e-5)
+    for params, losses, evaluation, local_numel, _ in results:
+        # Bounds from float32 arithmetic and Adam's (paratrain.testing.numerics), per
+        # element: Adam divides a gradient's rounding difference by its size.
+        assert set(params) == set(ref_params)
+        assert_params_within(params, ref_params, bound)
+        assert_losses_within(losses, ref_losses)
         # Uneven eval shards (51 / 50 samples): exact, and no hang.
         assert evaluation["count"] == 101
         assert evaluation["accuracy"] == ref_eval["accuracy"]
-        assert evaluation["loss"] == pytest.approx(ref_eval["loss"], rel=1e-5)
+        assert evaluation["loss"] == pytest.approx(ref_eval["loss"], rel=REASSOCIATION)
         # Each rank holds about half of the parameters (dim-0 shards, padded).
         assert local_numel <= 0.55 * ref_numel
     saved = results[0][0]

@@ -19,6 +19,7 @@ from paratrain.strategies.pipeline.layout import (
     ranges_from_points,
     split_model,
 )
+from paratrain.testing.numerics import TrainingBound, assert_losses_within, assert_params_within
 
 VOCAB, BLOCK = 11, 8
 
@@ -125,12 +126,28 @@ def test_bad_layouts_are_refused_in_one_line():
         layout_of(Flat())
 
 
+def test_an_embedding_tied_to_the_head_on_another_stage_is_refused():
+    model = gpt()
+    model.head.weight = model.tok_emb.weight  # weight tying, as GPT-2 does
+    with pytest.raises(ValueError, match="parameters 'tok_emb.weight' \\(stage 0\\) and "
+                                         "'head.weight' \\(stage 1\\) are tied"):
+        split_model(model, layout_of(model), num_stages=2, stage_indices=[1], split_points=(2,),
+                    device=torch.device("cpu"), agree=None)
+    # Blocks tied within one stage are fine.
+    model = gpt()
+    model.blocks[1].mlp.proj.weight = model.blocks[0].mlp.proj.weight
+    stage = split_model(model, layout_of(model), num_stages=2, stage_indices=[0],
+                        split_points=(2,), device=torch.device("cpu"), agree=None).whole
+    assert stage.blocks[1].mlp.proj.weight is stage.blocks[0].mlp.proj.weight
+
+
 def train(strategy, num_steps, schedule):
     run = paratrain.Run(strategy=strategy, progress=False, accelerator="cpu", seed=5,
                         strategy_options={"schedule": schedule, "num_microbatches": 4}
                         if strategy == "pipeline" else {})
     model = gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bound = TrainingBound(model, optimizer) if strategy == "single" else None
     model, optimizer = run.prepare(model, optimizer)
     loader = run.loader(tokens(), batch_size=8)
     losses = []
@@ -151,7 +168,7 @@ def train(strategy, num_steps, schedule):
               else strategy.unwrap(model))
     params = {k: v.detach().clone() for k, v in module.state_dict().items()}
     run.close()
-    return params, losses + [evaluation["loss"]]
+    return params, losses + [evaluation["loss"]], bound
 
 
 def pipeline_worker(rank, world_size, schedule):
@@ -162,20 +179,22 @@ def pipeline_worker(rank, world_size, schedule):
 
 @pytest.mark.slow
 def test_gpt_pipeline_matches_single_process_with_every_schedule():
-    ref_params, ref_losses = train("single", 4, None)
+    ref_params, ref_losses, bound = train("single", 4, None)
     for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
         results = spawn(pipeline_worker, 2, schedule)
         seen = set()
-        for params, losses in results:
-            for name, value in params.items():
-                torch.testing.assert_close(value, ref_params[name], atol=1e-5, rtol=0)
+        for params, losses, _ in results:
+            # Bounds from float32 arithmetic and Adam's (paratrain.testing.numerics):
+            # Adam turns a rounding difference in a ~0 gradient (the key biases) into
+            # an lr-sized parameter difference; each element gets its own bound.
+            assert_params_within(params, ref_params, bound)
             seen.update(params)
-            assert losses == pytest.approx(ref_losses, abs=1e-5)
+            assert_losses_within(losses, ref_losses)
         # The stages are disjoint and together hold the whole model.
         assert seen == set(ref_params)
         assert not set(results[0][0]) & set(results[1][0])
         blocks = [sorted({int(n.split(".")[1]) for n in params if n.startswith("blocks.")})
-                  for params, _ in results]
+                  for params, _, _ in results]
         if schedule == "interleaved_1f1b":
             # 4 one-block stages in a loop: rank 0 runs stages 0 and 2.
             assert blocks == [[0, 2], [1, 3]]

@@ -17,6 +17,12 @@ from paratrain.strategies.tensor.sequence import (
     sequence_parallel_styles,
 )
 from paratrain.strategies.tensor.strategy import FSDPTPOptions, TPOptions
+from paratrain.testing.numerics import (
+    REASSOCIATION,
+    TrainingBound,
+    assert_losses_within,
+    assert_params_within,
+)
 
 VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
 STEPS = 3
@@ -81,6 +87,8 @@ def train(strategy, options, global_batch=8, checkpoint_dir=None, resume=None):
     torch.manual_seed(0)
     model = TinyGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    # The reference replays Adam's arithmetic: how far another layout may drift.
+    bound = TrainingBound(model, optimizer) if strategy == "single" else None
     model, optimizer = run.prepare(model, optimizer)
     if resume:
         run.load(resume)
@@ -101,7 +109,8 @@ def train(strategy, options, global_batch=8, checkpoint_dir=None, resume=None):
              else model.state_dict())
     params = {k: v.detach().clone() for k, v in state.items()}
     run.close()
-    return {"losses": losses, "params": params, "saved": saved, "evaluation": evaluation}
+    return {"losses": losses, "params": params, "saved": saved, "evaluation": evaluation,
+            "bound": bound}
 
 
 def worker(rank, world_size, strategy, options, checkpoint_dir=None):
@@ -109,14 +118,17 @@ def worker(rank, world_size, strategy, options, checkpoint_dir=None):
 
 
 def assert_matches(result, reference):
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference["losses"]),
-                               atol=1e-5, rtol=1e-5)
+    # Bounds from float32 arithmetic and Adam's (paratrain.testing.numerics), per
+    # element: Adam divides by the gradient's size, so a rounding difference in a small
+    # gradient may become a larger parameter difference, never one in a real gradient.
+    assert_losses_within(result["losses"], reference["losses"])
     assert result["evaluation"]["count"] == reference["evaluation"]["count"] == 12 * SEQ
-    for key in ("loss", "accuracy"):
-        assert result["evaluation"][key] == pytest.approx(reference["evaluation"][key], abs=1e-5)
+    assert result["evaluation"]["loss"] == pytest.approx(reference["evaluation"]["loss"],
+                                                         rel=REASSOCIATION)
+    # A count of argmaxes: equal unless two logits tie within rounding.
+    assert result["evaluation"]["accuracy"] == reference["evaluation"]["accuracy"]
     assert result["params"].keys() == reference["params"].keys()
-    for key, value in reference["params"].items():
-        torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-5)
+    assert_params_within(result["params"], reference["params"], reference["bound"])
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +164,9 @@ def test_tp2_matches_single_and_resumes_under_single(reference, tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, optimizer = resumed.prepare(model, optimizer)
     resumed.load(results[0]["saved"])
-    for key, value in reference["params"].items():
-        torch.testing.assert_close(model.state_dict()[key], value, atol=1e-5, rtol=1e-5)
+    # A checkpoint round trip computes nothing: bitwise what the 2 ranks saved.
+    for key, value in results[0]["params"].items():
+        assert torch.equal(model.state_dict()[key], value), key
     assert resumed.global_step == STEPS and optimizer.state  # Adam moments came back
     resumed.close()
 

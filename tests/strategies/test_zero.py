@@ -20,6 +20,7 @@ from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.fsdp import FSDPOptions
 from paratrain.strategies.zero.zero1 import shard_optimizer
 from paratrain.strategies.zero.zero2 import Zero2Options
+from paratrain.testing.numerics import TrainingBound, assert_params_within
 from paratrain.testing.reference import synthetic_classification
 
 STEPS, ACCUMULATE, GLOBAL_BATCH = 3, 2, 8
@@ -45,7 +46,9 @@ def train(case: str) -> dict:
                        progress=False, seed=5, accumulate=ACCUMULATE,
                        max_grad_norm=0.05) as run:
         model = mlp()
-        model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=0.01))
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        bound = TrainingBound(model, optimizer) if case == "ddp" else None
+        model, optimizer = run.prepare(model, optimizer)
         loader = run.loader(synthetic_classification(64),
                             batch_size=GLOBAL_BATCH // run.strategy.data_parallel_size)
         grads = 0
@@ -58,7 +61,8 @@ def train(case: str) -> dict:
         state = (run.strategy.full_state_dict(model) if isinstance(run.strategy, ShardedState)
                  else run.strategy.unwrap(model).state_dict())
         return {"params": {k: v.detach().clone() for k, v in state.items()},
-                "grads": grads, "moments": moments}
+                "grads": grads, "moments": moments,
+                "tolerances": bound.tolerances() if bound else None}
 
 
 def zero_worker(rank, world_size):
@@ -78,9 +82,10 @@ def test_zero_stages_and_offload_train_as_ddp_with_sharded_state():
         # bitwise equal.
         for key, value in ddp["params"].items():
             assert torch.equal(rank["zero1"]["params"][key], value), key
-        # ZeRO-2 reduce-scatters instead of all-reducing: the same sum, rounded differently.
-        for key, value in ddp["params"].items():
-            torch.testing.assert_close(rank["zero2"]["params"][key], value, atol=1e-6, rtol=0)
+        # ZeRO-2 reduce-scatters instead of all-reducing and clips by a norm summed from
+        # shards: rounded differently, within what float32 and Adam's arithmetic allow
+        # (paratrain.testing.numerics, replayed on the ddp run).
+        assert_params_within(rank["zero2"]["params"], ddp["params"], ddp["tolerances"])
         # ... and is fsdp with reshard_after_forward=False: bitwise fsdp's.
         for key, value in rank["fsdp"]["params"].items():
             assert torch.equal(rank["zero2"]["params"][key], value), key

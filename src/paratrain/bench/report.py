@@ -11,6 +11,15 @@ from typing import Any
 
 from paratrain.units import format_bytes, format_seconds
 
+NOISY_SPREAD = 0.10
+"""A row whose timing windows' throughput spans more than this fraction of its median
+is ``noisy``: something else used the machine while it ran, so differences between
+rows of that size are not measured."""
+SUPERLINEAR = 1.05
+"""Scaling efficiency above this is flagged, never shown as a plain number: N
+processes on one machine do not beat N times one process by more than noise, so the
+baseline was measured slow (or the row fast) by something outside the strategy."""
+
 
 @dataclass(kw_only=True)
 class BenchRow:
@@ -44,6 +53,8 @@ class BenchRow:
     gpu_percent: float | None = None  # NVML utilisation, mean over ranks
     gpu_note: str = ""  # why gpu_percent is missing on CUDA, e.g. "n/a (install nvidia-ml-py)"
     scaling_efficiency: float | None = None
+    noisy: bool = False  # timing windows spread more than NOISY_SPREAD (see there)
+    efficiency_flag: str = ""  # why scaling_efficiency is not to be trusted, or ""
     link_bus_bandwidth: float | None = None  # bytes/s, from the optional link probe
     link_latency_s: float | None = None
 
@@ -84,13 +95,15 @@ def row_from_results(strategy: str, world_size: int, results: list[dict[str, Any
     compute = statistics.median(first["compute_step_s"])
     opt = first["optimizer_step_s"]
     median_speed = statistics.median(speeds)
+    noisy = (max(speeds) - min(speeds)) > NOISY_SPREAD * median_speed
     notes = [n for n in (note, first.get("notice")) if n]
     bus, latency = link_from_probe(first)
     return BenchRow(
         strategy=strategy, world_size=world_size, precision=precision,
         device=first.get("device", ""), note="; ".join(notes),
         num_processes=num_processes, samples_per_step=samples, samples_per_s=median_speed,
-        samples_per_s_min=min(speeds), samples_per_s_max=max(speeds), step_time_s=step,
+        samples_per_s_min=min(speeds), samples_per_s_max=max(speeds), noisy=noisy,
+        step_time_s=step,
         compute_time_s=compute, optimizer_step_s=opt,
         exposed_comm_share=max(0.0, step - compute - opt) / step,
         seconds_per_epoch=epoch_samples / median_speed,
@@ -124,13 +137,34 @@ def link_from_probe(result: dict) -> tuple[float | None, float | None]:
 def add_scaling_efficiency(rows: list[BenchRow], reference: str = "single") -> None:
     """``throughput_N / (N * throughput_1)``; throughput_1 is ``reference`` at world size 1 and
     the row's precision when measured, else the same strategy and precision at world size 1
-    (so a faster precision is not counted as scaling)."""
-    ones = {(r.strategy, r.precision): r.samples_per_s for r in rows
-            if r.ok and r.world_size == 1}
+    (so a faster precision is not counted as scaling).
+
+    An efficiency above :data:`SUPERLINEAR`, or against a ``noisy`` baseline, gets an
+    ``efficiency_flag`` saying why it is not to be trusted.
+    """
+    ones = {(r.strategy, r.precision): r for r in rows if r.ok and r.world_size == 1}
     for row in rows:
         base = ones.get((reference, row.precision)) or ones.get((row.strategy, row.precision))
-        if row.ok and base:
-            row.scaling_efficiency = row.samples_per_s / (row.world_size * base)
+        if not (row.ok and base and base.samples_per_s):
+            continue
+        row.scaling_efficiency = row.samples_per_s / (row.world_size * base.samples_per_s)
+        if base is row:
+            continue
+        baseline = f"baseline {base.label} x1"
+        if base.cpu_percent is not None:
+            baseline += f" (CPU {base.cpu_percent:.0f}%)"
+        if row.scaling_efficiency > SUPERLINEAR:
+            row.efficiency_flag = (f"above {SUPERLINEAR:.0%}: {baseline} likely measured slow; "
+                                   "rerun with the machine otherwise idle")
+        elif base.noisy:
+            row.efficiency_flag = f"{baseline} noisy: its windows spread over {NOISY_SPREAD:.0%}"
+
+
+def efficiency_text(row: BenchRow) -> str:
+    """The table's efficiency cell: a percentage, marked ``(!)`` when flagged."""
+    if row.scaling_efficiency is None:
+        return "-"
+    return _pct(row.scaling_efficiency) + (" (!)" if row.efficiency_flag else "")
 
 
 def _pct(value: float | None) -> str:
@@ -167,13 +201,14 @@ class BenchReport:
                              f"{r.status}: {r.reason}"))
                 continue
             state = (r.param_bytes or 0) + (r.grad_bytes or 0) + (r.optimizer_bytes or 0)
+            flags = [f for f in ("noisy" if r.noisy else "", r.efficiency_flag) if f]
             rows.append((
                 r.label, str(r.world_size), f"{r.samples_per_s:,.1f}",
                 f"{r.samples_per_s_min:,.0f}-{r.samples_per_s_max:,.0f}",
                 f"{r.seconds_per_epoch:,.1f}", format_seconds(r.step_time_s),
                 _pct(r.exposed_comm_share), format_bytes(r.peak_memory_bytes),
                 format_bytes(state), f"{r.cpu_percent:.0f}", r.gpu_text(),
-                _pct(r.scaling_efficiency), r.note))
+                efficiency_text(r), "; ".join([*flags, r.note] if r.note else flags)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         left = {0, len(head) - 1}
         lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w)

@@ -145,6 +145,40 @@ def describe_mismatch(expected: dict[str, tuple[int, ...]], found: dict[str, tup
     return "; ".join(problems) or None
 
 
+def optimizer_types(optimizers: list[Any]) -> list[str]:
+    """The class name of each optimizer's update rule, as a checkpoint records it.
+
+    A ``ZeroRedundancyOptimizer`` (strategy ``zero1``) is named by the optimizer it
+    shards (its ``optim``), so that a resume under another strategy compares the same.
+    """
+    names = []
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "optim", None)
+        names.append(type(inner if isinstance(inner, torch.optim.Optimizer) else optimizer)
+                     .__name__)
+    return names
+
+
+def check_optimizer_types(path: str | os.PathLike, state: dict[str, Any],
+                          optimizers: list[Any]) -> None:
+    """CheckpointError when ``state`` was written by another type of optimizer.
+
+    Its state would load without an error (``load_state_dict`` takes any keys) and the
+    first step would fail on a missing one (SGD after Adam: ``KeyError: 'momentum'``).
+    Checkpoints written before the types were recorded are not checked.
+    """
+    saved = state.get("optimizer_types")
+    if saved is None:
+        return
+    for index, (was, now) in enumerate(zip(saved, optimizer_types(optimizers))):
+        if was != now:
+            which = f" {index}" if len(optimizers) > 1 else ""
+            raise CheckpointError(
+                f"checkpoint {path} was written with optimizer {was} but this run's "
+                f"optimizer{which} is {now}; resume with {was} (one's state does not fit "
+                "the other), or start from another checkpoint_dir")
+
+
 def check_directory(directory: str | os.PathLike) -> None:
     """Fail now, in one line, if checkpoints cannot be written to ``directory``.
 

@@ -8,6 +8,9 @@
   (DCP) with fully-qualified parameter names, so a checkpoint written at one
   world size or layout loads at another; :func:`start_save_sharded` writes in
   the background (DCP's ``async_save``).
+* Buffers are also saved per rank (``rank_buffers_<model>.<rank>of<world>.<name>``) and
+  restored on the rank that wrote them: BatchNorm statistics differ per rank under
+  ``fsdp``, and one shared copy made a resumed run differ from an uninterrupted one.
 * :func:`lockstep_batches`: evaluation where every rank runs the same number
   of forward passes, because a sharded forward is collective.
 """
@@ -91,11 +94,59 @@ def _state(modules: list[nn.Module], optimizers: list[torch.optim.Optimizer], *,
     state: dict[str, Any] = {}
     for index, module in enumerate(modules):
         state[f"model_{index}"] = get_model_state_dict(module)
+        state.update(_rank_buffers(index, module, state[f"model_{index}"]))
     for index, optimizer in enumerate(optimizers):
         # Optimizers are registered against the first model (see RunState).
         state[f"optimizer_{index}"] = get_optimizer_state_dict(modules[0], optimizer,
                                                                options=options)
     return state
+
+
+_RANK_BUFFERS = "rank_buffers_"
+
+
+def _rank_buffers(index: int, module: nn.Module, saved: Iterable[str]) -> dict[str, torch.Tensor]:
+    """This rank's own copy of each persistent buffer of model ``index`` (those named in
+    ``saved``), under keys that only this rank writes.
+
+    DCP writes a plain tensor that every rank holds under one key once, as if it were
+    replicated. Buffers each rank updates from its own batches (BatchNorm statistics
+    under ``fsdp``, or on pipeline replicas) are not: the other ranks would resume with a
+    copy that is not theirs. The key names the world size, so that only a run of the
+    same size takes them back (see :func:`_own_buffers`).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    prefix = f"{_RANK_BUFFERS}{index}.{dist.get_rank()}of{dist.get_world_size()}."
+    names = set(saved)
+    return {prefix + name: buffer.detach() for name, buffer in module.named_buffers()
+            if name in names and not isinstance(buffer, DTensor)}
+
+
+def _own_buffers(state: dict[str, Any], directory: str | os.PathLike) -> dict[str, Any]:
+    """``state`` asking only for the per-rank buffers the checkpoint holds, read into copies.
+
+    A checkpoint from before per-rank buffers, from another world size or from a layout
+    that kept a buffer on another rank lacks some keys: those buffers keep the shared copy.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    return {key: value.clone() if key.startswith(_RANK_BUFFERS) else value
+            for key, value in state.items()
+            if not key.startswith(_RANK_BUFFERS) or key in saved}
+
+
+def _restore_own_buffers(modules: list[nn.Module], state: dict[str, Any]) -> None:
+    """Copy the per-rank buffers read into ``state`` over the shared copy just loaded."""
+    for index, module in enumerate(modules):
+        own = _rank_buffers(index, module, dict(module.named_buffers()))
+        with torch.no_grad():
+            for key, buffer in own.items():
+                if key in state:
+                    buffer.copy_(state[key])
 
 
 def save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
@@ -153,12 +204,13 @@ def load_sharded(directory: str | os.PathLike, modules: list[nn.Module],
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"sharded checkpoint directory {directory} is missing")
     readable = [_whole_optimizer(optimizer) for optimizer in optimizers]
-    state = _state(modules, readable, flat=flat)
+    state = _own_buffers(_state(modules, readable, flat=flat), directory)
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(directory))
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     for index, module in enumerate(modules):
         set_model_state_dict(module, state[f"model_{index}"])
+    _restore_own_buffers(modules, state)
     for index, (optimizer, whole) in enumerate(zip(optimizers, readable)):
         set_optimizer_state_dict(modules[0], whole, state[f"optimizer_{index}"],
                                  options=options)

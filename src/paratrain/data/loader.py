@@ -12,6 +12,7 @@ or at another world size.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+# Orders the starts of iteration of all loaders: the run's data position is the one
+# of the loader that training iterated last (see paratrain.data.training).
+_ITERATIONS = itertools.count()
 
 
 @dataclass
@@ -48,11 +53,14 @@ class ShardedSampler(Sampler[int]):
         rank: this rank's data-parallel index.
         shuffle: reshuffle every epoch (seeded; same order on every rank).
         seed: shuffling seed.
-        drop_last: drop the tail that does not divide among the ranks instead of
-            padding it with samples from the start of the epoch's order.
+        drop_last: drop the tail that does not fill a whole global batch
+            (``batch_size * num_replicas`` samples) instead of padding it with
+            samples from the start of the epoch's order: like DataLoader's
+            ``drop_last``, no rank gets a partial last batch.
         pad: with ``drop_last=False``, pad so every rank gets the same number of
             samples (training: ranks must take the same number of steps). Set
             False for evaluation, where padding would count samples twice.
+        batch_size: samples per rank and batch; only ``drop_last`` uses it.
     """
 
     def __init__(
@@ -65,9 +73,18 @@ class ShardedSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
         pad: bool = True,
+        batch_size: int = 1,
     ) -> None:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
+        if drop_last and num_samples < batch_size * num_replicas:
+            raise ValueError(
+                f"dataset has {num_samples} samples, fewer than one global batch of "
+                f"{batch_size * num_replicas} ({batch_size} per rank x {num_replicas} "
+                f"data-parallel rank{'s' * (num_replicas > 1)}), so "
+                "drop_last=True leaves nothing to train on; use a smaller batch_size or "
+                "drop_last=False"
+            )
         if pad and num_samples < num_replicas:
             raise ValueError(
                 f"dataset has {num_samples} samples but there are {num_replicas} data-parallel "
@@ -80,6 +97,7 @@ class ShardedSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.pad = pad
+        self.batch_size = batch_size
         self.cursor = DataCursor()
 
     def set_epoch(self, epoch: int, offset: int = 0) -> None:
@@ -90,7 +108,10 @@ class ShardedSampler(Sampler[int]):
     def total_size(self) -> int:
         """Samples in the epoch across all ranks, after padding or dropping the tail."""
         if self.drop_last:
-            return (self.num_samples // self.num_replicas) * self.num_replicas
+            # Whole global batches only, as DataLoader(drop_last=True) over each rank's
+            # DistributedSampler shard would leave: every rank takes the same full steps.
+            global_batch = self.batch_size * self.num_replicas
+            return (self.num_samples // global_batch) * global_batch
         if self.pad:
             return math.ceil(self.num_samples / self.num_replicas) * self.num_replicas
         return self.num_samples
@@ -156,6 +177,8 @@ class DistributedLoader:
             generator=self._generator,
         )
         self.batches_in_epoch = 0
+        self.started = -1  # when iteration last started (_ITERATIONS); -1: never
+        self.retired: str | None = None  # why iterating it is refused, once a run replaced it
 
     @property
     def global_batch_size(self) -> int:
@@ -179,6 +202,9 @@ class DistributedLoader:
         return len(self.dataloader)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.retired is not None:
+            raise RuntimeError(self.retired)
+        self.started = next(_ITERATIONS)
         cursor = self.sampler.cursor
         if cursor.offset >= self.sampler.total_size:
             # Iterating an exhausted loader again (e.g. evaluation every epoch) starts over.

@@ -10,15 +10,15 @@ exercises each function on the installed torch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
-    "make_tensor_subclass", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
+    "all_gather_single", "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
+    "flattened_group", "make_tensor_subclass", "shard_indices", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
     "torch_function_disabled", "tree_map",
 ]
 
@@ -126,3 +126,51 @@ def rebind_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Non
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def all_gather_single(output: torch.Tensor, piece: torch.Tensor, group: Any) -> None:
+    """Every rank's equal-sized ``piece``, concatenated into ``output``, in one collective.
+
+    ``all_gather_single`` where torch has it; older torch calls it
+    ``all_gather_into_tensor`` (deprecated since).
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, piece, group=group)
+
+
+def flattened_group(mesh: Any) -> dist.ProcessGroup:
+    """The process group over all of ``mesh``'s ranks, in row-major mesh order.
+
+    ``DeviceMesh._flatten`` (private) builds it once per mesh (a collective the first
+    time: every rank of the root mesh asks at the same point) and caches it.
+    """
+    flatten = getattr(mesh, "_flatten", None)
+    if flatten is None:
+        raise _missing("DeviceMesh._flatten")
+    return flatten().get_group()
+
+
+def shard_indices(global_shape: Sequence[int], mesh_shape: Sequence[int],
+                  coordinate: Sequence[int], placements: Sequence[Any]) -> list[torch.Tensor]:
+    """Per tensor dimension, the global indices the rank at ``coordinate`` holds.
+
+    DTensor's own arithmetic (``_get_shard_size_and_offsets``, private), which also
+    knows ``_StridedShard`` (FSDP over tensor-parallel pieces): those pieces are not
+    one slice from one offset in general, hence whole index lists.
+    """
+    try:
+        from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    except ImportError as error:
+        raise _missing("torch.distributed.tensor._utils._get_shard_size_and_offsets") from error
+    sizes = list(global_shape)
+    indices: dict[int, torch.Tensor] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_replicate() or placement.is_partial():
+            continue
+        dim = placement.dim
+        sizes[dim], indices[dim] = _get_shard_size_and_offsets(
+            sizes[dim], mesh_shape[mesh_dim], coordinate[mesh_dim], placement,
+            indices.get(dim), global_shape[dim], False)
+    # A rank with an empty piece gets a placeholder offset: keep no index then.
+    return [indices[d][:sizes[d]] if d in indices else torch.arange(n)
+            for d, n in enumerate(global_shape)]

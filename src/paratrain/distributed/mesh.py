@@ -33,6 +33,7 @@ from functools import cached_property
 
 import torch.distributed as dist
 
+from paratrain.distributed._compat import flattened_group
 from paratrain.distributed.topology import Topology
 
 AXES = ("pipeline", "replicate", "shard", "tensor")
@@ -165,8 +166,14 @@ class ParallelMesh:
 
         if not dist.is_initialized():
             raise RuntimeError("a DeviceMesh needs a process group; launch with several processes")
-        return init_device_mesh(self.topology.device.type, self.degrees.shape,
+        mesh = init_device_mesh(self.topology.device.type, self.degrees.shape,
                                 mesh_dim_names=AXES)
+        if self.degrees.shard_degree > 1 and self.degrees.tensor_degree > 1:
+            # FSDP over tensor-parallel pieces: whole() gathers such a parameter in one
+            # all_gather over shard x tensor. Built here, where every rank is, because
+            # the stages of a pipeline need not all hold such a parameter.
+            flattened_group(mesh["shard", "tensor"])
+        return mesh
 
     @cached_property
     def data_parallel_group(self) -> dist.ProcessGroup:

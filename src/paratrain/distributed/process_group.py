@@ -4,6 +4,12 @@ While the ranks gather in :func:`init_process_group` a rank that waits longer
 than a few seconds says so every ``PARATRAIN_WAIT_REPORT_S`` (30 s), and a
 rank that never comes ends the wait with one line instead of torch's
 ``DistStoreError`` traceback.
+
+A second group in the same process (``Run(...)`` ... ``run.close()``, then another
+``Run``) meets in the store of the first, under keys of its own generation: a fresh
+``env://`` rendezvous would reuse the first group's keys, which the store still holds
+(under ``paratrain launch`` it is the agent's and outlives every group), so a rank read
+the closed group's addresses and waited for them past its timeout.
 """
 
 from __future__ import annotations
@@ -12,14 +18,20 @@ import datetime
 import gc
 import os
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from paratrain.distributed import _compat
 from paratrain.distributed.topology import Topology
 from paratrain.reliability import waits
 
 _TIMEOUT_SETTINGS = "Run(timeout_s=...) or PARATRAIN_TIMEOUT_S sets the wait"
+# The rendezvous of this process's first group, kept for the ones after it (see the
+# module docstring): its store, where it is (MASTER_ADDR, MASTER_PORT, world size) and
+# how many groups formed in it. Per process, like the default group itself.
+_rendezvous: dict[str, Any] = {}
 
 
 def init_process_group(topology: Topology, *, timeout_s: float,
@@ -56,14 +68,23 @@ def init_process_group(topology: Topology, *, timeout_s: float,
 
     # Until every rank arrives (one stuck in its own set-up, or started late) this
     # blocks for up to timeout_s without a word.
+    timeout = datetime.timedelta(seconds=timeout_s)
+    where = (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], topology.world_size)
+    if _rendezvous.get("where") == where and _rendezvous.get("store") is not None:
+        # A later group: the same store, this generation's keys (the first group's are
+        # torch's env:// ones, unchanged, so restarted jobs meet as before).
+        store = _rendezvous["store"]
+        store.set_timeout(timeout)
+        kwargs["store"] = dist.PrefixStore(f"paratrain/group{_rendezvous['groups']}", store)
+    else:
+        kwargs["init_method"] = "env://"
     with waits.reporting(waiting, interval_s=wait_report_s):
         try:
             dist.init_process_group(
                 backend=topology.backend,
-                init_method="env://",
                 rank=topology.rank,
                 world_size=topology.world_size,
-                timeout=datetime.timedelta(seconds=timeout_s),
+                timeout=timeout,
                 **kwargs,
             )
         except (dist.DistStoreError, dist.DistNetworkError) as exc:
@@ -73,7 +94,18 @@ def init_process_group(topology: Topology, *, timeout_s: float,
                 f"({detail[:160]}); a rank crashed or is stuck before it joined; "
                 f"{_TIMEOUT_SETTINGS}"
             ) from exc
+    if "store" not in kwargs:
+        _rendezvous.update(where=where, store=_rendezvous_store(), groups=0)
+    _rendezvous["groups"] += 1
     return True
+
+
+def _rendezvous_store() -> Any:
+    """The store the default group's prefixes wrap (the TCP store of the rendezvous)."""
+    store = _compat.default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def destroy_process_group() -> None:

@@ -32,6 +32,7 @@ import psutil
 from paratrain.distributed.device import cpu_threads_per_process, free_port
 from paratrain.launch import report as launch_report
 from paratrain.launch import worker as launch_worker
+from paratrain.launch.argv import misplaced_flags_notice
 from paratrain.reliability import signals, waits
 from paratrain.settings import DEFAULT_WAIT_REPORT_S, Settings
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="single-node job with a local rendezvous on a free port")
     add("--ps-servers", type=int, default=None,
         help="number of parameter-server ranks for strategy='ps'")
+    add("--parallel", default=None,
+        help="the layout as degrees, e.g. dp_shard=2,tp=2 (sets PARATRAIN_PARALLEL)")
     add("--share-gpus", action="store_true",
         help="allow more processes than GPUs per node (round-robin, gloo); for testing only")
     add("-m", "--module", action="store_true", help="run SCRIPT as a Python module")
@@ -140,6 +143,13 @@ def validate(args: argparse.Namespace) -> None:
         raise LaunchError(f"script {args.script!r} not found; check the path")
     if args.ps_servers is not None and args.ps_servers < 1:
         raise LaunchError(f"--ps-servers must be >= 1, got {args.ps_servers}")
+    if args.parallel is not None:
+        from paratrain.parallel import Parallel
+
+        try:
+            Parallel.from_environment(args.parallel)
+        except ValueError as exc:
+            raise LaunchError(f"--parallel: {exc}") from None
     static_master = args.rdzv_backend == "static" and not args.standalone
     if static_master and args.master_port is not None:
         if not 0 < args.master_port < 65536:
@@ -282,6 +292,9 @@ def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         validate(args)
+        misplaced = misplaced_flags_notice(args, sys.argv[1:] if argv is None else argv)
+        if misplaced:
+            print(f"paratrain launch: {misplaced}", file=sys.stderr, flush=True)
         interval = Settings.from_environ().wait_report_s
         if (args.rdzv_backend == "static" and not args.standalone and args.node_rank > 0):
             wait_for_master(args.master_addr, args.master_port or 29500, args.join_timeout,
@@ -301,6 +314,8 @@ def _main(argv: Sequence[str] | None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     if args.ps_servers is not None:
         os.environ["PARATRAIN_PS_SERVERS"] = str(args.ps_servers)
+    if args.parallel is not None:
+        os.environ["PARATRAIN_PARALLEL"] = args.parallel
     if args.share_gpus:
         os.environ["PARATRAIN_SHARE_GPUS"] = "1"  # read by Topology.from_env in each worker
 

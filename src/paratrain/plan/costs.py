@@ -10,7 +10,7 @@ written out in ``docs/plan.md``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paratrain.distributed.partition import balanced_split
 from paratrain.plan.comm import (
@@ -169,6 +169,20 @@ def tp_share(split_fraction: float, t: int) -> float:
     return split_fraction / t + 1 - split_fraction
 
 
+TP_TRAFFIC_UNKNOWN = ("not ranked: tensor-parallel traffic unknown (0 activation bytes per "
+                      "sample); pass --activation-bytes, or --model to calibrate")
+
+
+def without_tp_traffic(cost: Cost, pr: ModelProfile, t: int) -> Cost:
+    """``cost``, not applicable when ``t > 1`` tensor ranks all-reduce activations of
+    unknown size: neither measured (``tp_allreduces``) nor estimable from
+    ``activation_bytes_per_sample`` (0, as ``paratrain plan --num-parameters`` leaves it).
+    Costed at 0 bytes, tensor parallelism would look free and win on any link."""
+    if t > 1 and not pr.tp_allreduces and not pr.activation_bytes_per_sample:
+        return replace(cost, applicable=False, note=TP_TRAFFIC_UNKNOWN)
+    return cost
+
+
 def _tp_comm(pr: ModelProfile, hw: Hardware, b: int, t: int) -> tuple[float, float]:
     # On the critical path (nothing to hide behind): each rowwise layer all-reduces its
     # output forward, each colwise layer its input's gradient backward (separate q/k/v:
@@ -194,10 +208,10 @@ def _tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     comm, traffic = _tp_comm(pr, hw, b, t)
     share = tp_share(pr.tp_split_fraction, t)
     compute = b * pr.step_compute_time_per_sample * share + (pr.tp_dispatch_time if t > 1 else 0.0)
-    return Cost(devices=t, batch=b, compute=compute, comm=comm, exposed=comm, traffic=traffic,
-                optimizer_divisor=t, shard_devices=1,
-                tensor_held=tp_share(pr.tp_split_param_fraction, t),
-                note="tp across nodes" if t > hw.num_devices_per_node else "")
+    return without_tp_traffic(Cost(
+        devices=t, batch=b, compute=compute, comm=comm, exposed=comm, traffic=traffic,
+        optimizer_divisor=t, shard_devices=1, tensor_held=tp_share(pr.tp_split_param_fraction, t),
+        note="tp across nodes" if t > hw.num_devices_per_node else ""), pr, t)
 
 
 def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
@@ -221,11 +235,12 @@ def _fsdp_tp(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:
     exp_b = exposed_comm_time(layers * (ag + rs), b * pr.backward_time_per_sample * share,
                               overlap=o.overlap, tail=rs)
     fsdp_traffic = 0.0 if s == 1 else (s - 1) / s * (2 * pr.param_size + pr.grad_size) * local
-    return Cost(devices=w, batch=s * b,
-                compute=b * pr.step_compute_time_per_sample * share + pr.tp_dispatch_time,
-                comm=tp_comm + layers * (2 * ag + rs), exposed=tp_comm + exp_f + exp_b,
-                traffic=tp_traffic + fsdp_traffic, note=f"shard {s} x tensor {t}",
-                optimizer_divisor=w, shard_devices=s, tensor_held=local)
+    return without_tp_traffic(Cost(
+        devices=w, batch=s * b,
+        compute=b * pr.step_compute_time_per_sample * share + pr.tp_dispatch_time,
+        comm=tp_comm + layers * (2 * ag + rs), exposed=tp_comm + exp_f + exp_b,
+        traffic=tp_traffic + fsdp_traffic, note=f"shard {s} x tensor {t}",
+        optimizer_divisor=w, shard_devices=s, tensor_held=local), pr, t)
 
 
 def _ps(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions) -> Cost:

@@ -33,6 +33,7 @@ from paratrain.plan.costs import (
     _stage_split,
     _tp_comm,
     tp_share,
+    without_tp_traffic,
 )
 from paratrain.plan.types import Hardware, ModelProfile
 
@@ -159,8 +160,14 @@ def group_hardware(hw: Hardware, *, size: int, stride: int) -> Hardware:
 def layout_cost(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
                 degrees: ParallelDegrees) -> Cost:
     """One step of ``hybrid`` in the layout ``degrees`` (``b`` samples per data-parallel
-    rank and pipeline stage, as ``pipeline`` and ``tp`` count them)."""
+    rank and pipeline stage, as ``pipeline`` and ``tp`` count them); not applicable
+    with a tensor degree whose traffic is unknown (see ``without_tp_traffic``)."""
     degrees.validate(hw.world_size)
+    return without_tp_traffic(_layout_cost(pr, hw, b, o, degrees), pr, degrees.tensor_degree)
+
+
+def _layout_cost(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
+                 degrees: ParallelDegrees) -> Cost:
     p, r, s, t = degrees.shape
     w, layers = hw.world_size, pr.num_layers
     note = f"pipeline {p} x replicate {r} x shard {s} x tensor {t}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from paratrain.plan.costs import TP_TRAFFIC_UNKNOWN
 from paratrain.plan.types import Hardware, ModelProfile, Prediction
 from paratrain.strategies.table import strategy_names
 from paratrain.units import format_bytes, format_seconds
@@ -54,9 +55,11 @@ class PlanReport:
                 continue
             fits = "?" if p.fits is None else ("yes" if p.fits else "NO")
             flag = "" if p.applicable else " (n/a)"
-            rows.append((p.strategy + flag, str(p.num_devices),
-                         format_seconds(p.step_time), f"{p.samples_per_second:,.1f}",
-                         f"{p.scaling_efficiency:.0%}", format_seconds(p.exposed_comm_time),
+            times = (format_seconds(p.step_time), f"{p.samples_per_second:,.1f}",
+                     f"{p.scaling_efficiency:.0%}", format_seconds(p.exposed_comm_time))
+            if p.note == TP_TRAFFIC_UNKNOWN:  # traffic costed at 0 bytes: no time to show
+                times = ("-",) * 4
+            rows.append((p.strategy + flag, str(p.num_devices), *times,
                          format_bytes(p.memory_bytes), fits, p.note))
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         # Text columns left-aligned, numbers right-aligned so digits line up.

@@ -231,6 +231,7 @@ class OneLineErrors:
 
     def __call__(self, exc_type: type[BaseException], exc: BaseException,
                  tb: TracebackType | None) -> None:
+        _reported.append(exc_type.__name__)
         one_line = is_one_line(exc) and not self.show_traceback
         message = summary(exc) if one_line else f"{exc_type.__name__}: {summary(exc)}"
         recorded = record_error_file(exc, message, with_traceback=not one_line, tb=tb)
@@ -240,6 +241,16 @@ class OneLineErrors:
             print(f"paratrain: {message}", file=sys.stderr, flush=True)
         else:
             self.previous(exc_type, exc, tb)
+
+
+# Names of the uncaught errors this process reported: a process that ends after one
+# ended by an error, not by finishing its script (see paratrain.run.collective_calls).
+_reported: list[str] = []
+
+
+def error_reported() -> bool:
+    """True once an uncaught error went through the hook (this process is failing)."""
+    return bool(_reported)
 
 
 def install_excepthook(*, show_traceback: bool = False, launched: bool = False) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 from paratrain.config import RunConfig
 from paratrain.distributed.process_group import destroy_process_group, init_process_group
 from paratrain.distributed.topology import Topology
+from paratrain.parallel import Parallel
+from paratrain.parallel.presets import resolve_strategy
 from paratrain.precision import Precision
 from paratrain.reliability import hang, health, signals
 from paratrain.reliability.faults import FaultPlan
@@ -77,8 +79,13 @@ def build_parts(config: RunConfig, settings: Settings,
     monitor_hang: hang.HangMonitor | None = None
     stop: signals.GracefulStop | None = None
     try:
-        strategy = create_strategy(config.strategy, topology, config.strategy_options,
-                                   timeout_s=config.timeout_s)
+        layout = config.parallel
+        if layout is None and settings.parallel is not None:
+            layout = Parallel.from_environment(settings.parallel)
+        name, options = resolve_strategy(
+            config.strategy, config.strategy_options, layout,
+            world_size=topology.world_size, local_world_size=topology.local_world_size)
+        strategy = create_strategy(name, topology, options, timeout_s=config.timeout_s)
         misuse.check_ps_servers(strategy.name, settings.ps_servers)
         precision = Precision(config.precision, topology.device.type)
         if isinstance(strategy, PrecisionPolicy):

@@ -37,16 +37,19 @@ from paratrain.distributed.dtensor import whole
 from paratrain.distributed.process_group import destroy_process_group
 from paratrain.losses import GlobalCount
 from paratrain.reliability import signals
-from paratrain.run import misuse
+from paratrain.run import collective_calls, evaluation, misuse
 from paratrain.run.build import build_parts
 from paratrain.run.hooks import AfterStep, FaultHook, HealthHook, PeriodicSave, StopOnSignal
+from paratrain.run.samples import SampleCounter
 from paratrain.run.seeding import seed_everything
 from paratrain.run.state import RunState
 from paratrain.run.step import TrainStep
 from paratrain.settings import Settings
-from paratrain.strategies.capabilities import ServerRole, evaluation_batches, strategy_metrics
+from paratrain.strategies.capabilities import ServerRole, strategy_metrics
+from paratrain.sync_batchnorm import convert_sync_batchnorm
 
 
+@collective_calls.tracked  # a collective method called on some ranks only: one line
 class Run(TrainStep):
     """A training run: topology, strategy, precision, data, checkpoints and reporting.
 
@@ -64,7 +67,7 @@ class Run(TrainStep):
                                    launched=settings.launched)
         if "timeout_s" not in config and settings.timeout_s is not None:
             config["timeout_s"] = settings.timeout_s
-        self.config = RunConfig(**config)
+        self.config = RunConfig.from_arguments(config)  # a misspelled name: one line
         self._closed = False
         self._peer_lost = False
         parts = build_parts(self.config, settings, environ)
@@ -85,6 +88,7 @@ class Run(TrainStep):
         self.state = RunState(config=self.config, topology=self.topology,
                               strategy=self.strategy, precision=self.precision,
                               print_fn=self.print)
+        self._init_step_checks()
         self.epoch_stats: list[dict[str, float]] = []
         self._micro_step = 0
         self._backward_in_group = False
@@ -95,6 +99,7 @@ class Run(TrainStep):
         self._sync_context: contextlib.ExitStack | None = None
         self._train_loader: DistributedLoader | None = None
         self._epoch_start = (0, time.perf_counter())
+        self._samples = SampleCounter()  # of user loaders iterated through progress()
         self._after_step: list[AfterStep] = [
             FaultHook(parts.faults),
             HealthHook(self._health),
@@ -135,6 +140,7 @@ class Run(TrainStep):
         the global RNGs are reseeded with ``seed + 1 + rank``, except that tensor-parallel
         peers share their lowest peer's rank (``strategy.random_stream_rank``).
         """
+        misuse.check_not_prepared(model, self.state.models, self.strategy.unwrap)
         if optimizer is not None:
             misuse.check_optimizer_matches(model, optimizer)
         misuse.check_scheduler_matches(optimizer, scheduler)
@@ -146,11 +152,16 @@ class Run(TrainStep):
                 self._health.check_model(model)
         if self.config.checkpoint_activations is not None:
             apply_activation_checkpointing(model, self.config.checkpoint_activations)
+        if self.config.sync_batchnorm:
+            model = convert_sync_batchnorm(model, group=self.strategy.data_parallel_group,
+                                           group_size=self.strategy.data_parallel_size,
+                                           device_type=self.device.type)
         model = self.precision.convert_module(model)
         self._configure_compile()  # after checkpointing: compile sees the recompute
         # Wrapping communicates (DDP broadcasts the parameters): a peer lost here is one
         # line too.
         with self._guard_peers():
+            before, given = self._optimizers.parameters_of(model), optimizer  # see record
             model = self.strategy.setup_model(model)
             if optimizer is not None:
                 prepared = self.strategy.setup_optimizer(optimizer)
@@ -164,6 +175,7 @@ class Run(TrainStep):
             raise SystemExit(0)
         self._wrap_forward(model)
         self.state.register(model, optimizer, scheduler)
+        self._optimizers.record(before, self.strategy.unwrap(model), given, optimizer)
         seed_everything(self.config.seed + 1 + self.strategy.random_stream_rank)
         return model if optimizer is None else (model, optimizer)
 
@@ -175,7 +187,9 @@ class Run(TrainStep):
 
         ``batch_size`` is per rank; the global batch is ``batch_size * data-parallel size``.
         With ``drop_last=False`` the last samples are padded from the start of the
-        epoch so every rank takes the same number of steps. ``batched`` gathers each
+        epoch so every rank takes the same number of steps; ``drop_last=True`` drops
+        those that do not fill a whole global batch. Built inside :meth:`epochs`, it
+        starts at the current epoch's shuffle and position. ``batched`` gathers each
         batch of an in-memory dataset with one indexing operation (same batches, see
         docs/performance.md); ``device_resident`` keeps such a dataset on the GPU.
         """
@@ -205,7 +219,7 @@ class Run(TrainStep):
         sampler = ShardedSampler(
             len(dataset), num_replicas=self.strategy.data_parallel_size,
             rank=self.strategy.data_parallel_rank, shuffle=shuffle, seed=self.config.seed,
-            drop_last=drop_last, pad=pad,
+            drop_last=drop_last, pad=pad, batch_size=batch_size,
         )
         loader = build_loader(
             dataset, sampler, batch_size=batch_size, device=self.device,
@@ -228,21 +242,23 @@ class Run(TrainStep):
         resumed epoch starts at the checkpoint's sample offset. After each epoch
         the global samples/s are recorded in :attr:`epoch_stats`.
         """
-        if num_epochs < 0:
-            raise ValueError(f"num_epochs must be >= 0, got {num_epochs}")
-        self.state.maybe_resume()
+        misuse.check_num_epochs(num_epochs)
+        self.state.maybe_resume(num_epochs)  # says so when the checkpoint is already done
         while self.state.epoch < num_epochs:
             epoch = self.state.epoch
             self._epoch_start = (self.state.start_epoch(epoch), time.perf_counter())
+            self._samples.restart()
             yield epoch
             self._finish_accumulation()
-            stats = {"epoch": epoch, **self.epoch_throughput(), **strategy_metrics(self.strategy)}
+            stats = {"epoch": epoch, **self.epoch_throughput(), **strategy_metrics(self.strategy),
+                     "skipped_steps": self._finite.take_epoch_skipped()}
             self.epoch_stats.append(stats)
             self.reporter.log(stats, step=self.global_step)
             self.state.epoch = epoch + 1
 
     def epoch_throughput(self) -> dict[str, float | None]:
-        """Global samples, seconds and samples/s of the current epoch so far.
+        """Global samples (of ``run.loader``, or handed out by :meth:`progress` from
+        another loader), seconds and samples/s of the current epoch so far.
 
         Also ``tokens_per_s`` (with ``tokens_per_sample``), ``tflops_per_device``
         once the first step's FLOPs are counted, and ``mfu`` (None when n/a). With
@@ -250,8 +266,8 @@ class Run(TrainStep):
         """
         start_offset, start_time = self._epoch_start
         elapsed = time.perf_counter() - start_time
-        loader = self._train_loader
-        samples = (loader.position - start_offset) if loader is not None else 0
+        loader, counted = self._train_loader, self._samples.in_epoch
+        samples = counted if counted or loader is None else loader.position - start_offset
         speed = samples / elapsed if elapsed > 0 else 0.0
         compiled = {"compile_s": self._compile_clock.seconds} if self._compile_clock.enabled \
             else {}
@@ -260,23 +276,22 @@ class Run(TrainStep):
 
     def progress(self, batches: Iterable[Any], *, desc: str | None = None) -> Iterator[Any]:
         """Iterate ``batches`` with a rank-0 progress bar counting global samples."""
-        if isinstance(batches, DistributedLoader):
-            remaining = batches.sampler.total_size - batches.sampler.cursor.offset
-            per_batch = batches.global_batch_size
-        else:
-            remaining, per_batch = len(batches) * self.world_size, self.world_size  # type: ignore[arg-type]
+        batches, remaining, per_batch = self._samples.plan(batches,
+                                                           self.strategy.data_parallel_size)
         desc = desc or f"epoch {self.state.epoch}"
         return self.reporter.progress(batches, total_samples=remaining,
                                       samples_per_batch=per_batch, desc=desc,
-                                      rates=self.throughput.bar_rates)
+                                      rates=self._bar_rates)
 
     # -- evaluation and metrics -------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, loader: Iterable[Any], *, loss_fn: Any = None) -> dict:
+    def evaluate(self, model: nn.Module, loader: Iterable[Any], *, loss_fn: Any = None,
+                 batch_fn: Any = None) -> dict:
         """Loss and accuracy of a classifier over ``loader``, exact across ranks.
 
         Sums and counts are reduced, not per-rank means, so the result equals the
         single-process one even when ranks hold different numbers of samples.
+        Batches: ``(inputs, labels)``, a dict naming both, or ``batch_fn(batch)``'s pair.
         """
         loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out, y, reduction="sum"))
         module = self.strategy.unwrap(model)
@@ -285,7 +300,7 @@ class Run(TrainStep):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         # Sharded strategies run uncounted stand-in batches so every rank's forward
         # (which communicates) runs equally often.
-        for (x, y), counted in evaluation_batches(self.strategy, loader):
+        for (x, y), counted in evaluation.pairs(self.strategy, loader, batch_fn):
             out = self.precision.forward(module, x)
             if not counted:
                 continue
@@ -341,6 +356,7 @@ class Run(TrainStep):
                 "save() was called in the middle of a gradient-accumulation group; "
                 "call it after a run.step() that stepped the optimizer"
             )
+        self._finite.settle()  # a non-finite step stops the run before it is saved
         return self.state.save(directory, wait=wait)
 
     def load(self, path: str | os.PathLike) -> None:
@@ -357,6 +373,7 @@ class Run(TrainStep):
         failed = self.state.finish_saves(agree=not self._peer_lost)
         self._count_flops_done()  # a run that never called backward
         self._hang.close()
+        self._optimizers.close()
         self.reporter.close()
         self.state.release()
         # After a lost peer the pending agreement can only time out: do not wait for it.

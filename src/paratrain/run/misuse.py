@@ -77,3 +77,28 @@ def check_ps_servers(strategy_name: str, ps_servers: int | None) -> None:
             f"but the strategy is {strategy_name!r}; use Run(strategy='ps') or launch "
             "without --ps-servers"
         )
+
+
+def check_num_epochs(num_epochs: Any) -> None:
+    """ValueError unless ``run.epochs(num_epochs)`` got an integer >= 0 (``"3"`` from
+    ``sys.argv`` would otherwise fail with a comparison traceback)."""
+    if isinstance(num_epochs, bool) or not isinstance(num_epochs, int) or num_epochs < 0:
+        raise ValueError(f"run.epochs(num_epochs) needs an integer >= 0, got {num_epochs!r} "
+                         f"({type(num_epochs).__name__}); e.g. run.epochs(int(args.epochs))")
+
+
+# -- repeated set-up -------------------------------------------------------------------
+
+def check_not_prepared(model: nn.Module, prepared: Iterable[nn.Module], unwrap: Any) -> None:
+    """ValueError when ``model`` (or the module inside it) was already given to prepare.
+
+    A second prepare wraps it again: DDP then registers a second set of gradient hooks on
+    the same parameters and fails in backward with "please file an issue"; other
+    strategies shard or convert twice.
+    """
+    inner = unwrap(model)
+    if any(inner is unwrap(other) for other in prepared):
+        raise ValueError(
+            "run.prepare() was called twice on the same model; call it once per model "
+            "and train the model it returned (model, optimizer = run.prepare(model, optimizer))"
+        )

@@ -200,6 +200,8 @@ def format_rates(rates: dict[str, float | None]) -> list[str]:
         parts.append(f"{tqdm.format_sizeof(rates['tflops_per_device'] * 1e12)}FLOP/s")
     if "mfu" in rates:
         parts.append("MFU n/a" if rates["mfu"] is None else f"MFU {100 * rates['mfu']:.1f}%")
+    if rates.get("skipped_steps"):  # optimizer steps without an update (RunConfig.nan)
+        parts.append(f"skipped={rates['skipped_steps']}")
     return parts
 
 

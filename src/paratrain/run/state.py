@@ -15,6 +15,7 @@ from paratrain.checkpoint import files as checkpoint
 from paratrain.checkpoint.background import BackgroundWriter, snapshot, write_job
 from paratrain.checkpoint.files import CheckpointError
 from paratrain.data.loader import DataCursor, DistributedLoader
+from paratrain.data.training import TrainingLoaders
 from paratrain.run.seeding import seed_everything
 from paratrain.strategies.capabilities import ShardedState, local_module
 
@@ -42,9 +43,12 @@ class RunState:
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.schedulers: list[Any] = []
-        self.loaders: list[DistributedLoader] = []
+        self.loaders = TrainingLoaders()
         self.global_step = 0
         self.epoch = 0
+        self.nonfinite_batches: list[dict[str, Any]] = []
+        """Steps whose loss was non-finite: step, epoch, sample offset of the batch, ranks
+        (see ``RunConfig.nan``); saved in checkpoints, so a resumed run keeps the list."""
         self._resume_cursor: DataCursor | None = None
         self._resume_checked = False
         self._saved: Path | None = None  # the checkpoint of the current step, once written
@@ -59,7 +63,8 @@ class RunState:
             self.schedulers.append(scheduler)
 
     def register_loader(self, loader: DistributedLoader) -> None:
-        self.loaders.append(loader)
+        """Follow the epochs with ``loader``; built inside one, it starts at its position."""
+        self.loaders.add(loader, epoch=self.epoch)
 
     def release(self) -> None:
         if self._checkpoint_group is not None:
@@ -80,12 +85,14 @@ class RunState:
         if self._resume_cursor is not None and self._resume_cursor.epoch == epoch:
             offset = self._resume_cursor.offset
         self._resume_cursor = None
-        for loader in self.loaders:
-            loader.set_epoch(epoch, offset)
+        self.loaders.start_epoch(epoch, offset)
         return offset
 
-    def maybe_resume(self) -> None:
+    def maybe_resume(self, num_epochs: int | None = None) -> None:
         """Resume once from the newest usable checkpoint in ``checkpoint_dir``, if there is one.
+
+        When that checkpoint already holds ``num_epochs`` epochs, the line says the
+        training is complete: the loop will not run, and a quick exit is no surprise.
 
         A damaged newest file (killed storage, truncated copy) falls back to the
         previous kept checkpoint with a warning naming both; any other problem
@@ -106,20 +113,15 @@ class RunState:
                 self._print(f"paratrain: warning: {exc}; resuming from the previous "
                                 f"checkpoint {candidates[index - 1]} instead")
                 continue
-            self._print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
+            if num_epochs is not None and self.epoch >= num_epochs:
+                epochs = f"{num_epochs} epoch{'s' if num_epochs != 1 else ''}"
+                self._print(f"resumed from {path}; training was already complete ({epochs}); "
+                            "to train again, ask for more epochs or use another checkpoint_dir")
+            else:
+                self._print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
             return
 
     # -- save -------------------------------------------------------------------------
-    def _cursor(self) -> DataCursor:
-        if not self.loaders:
-            return DataCursor(epoch=self.epoch, offset=0)
-        loader = self.loaders[0]
-        cursor = loader.cursor
-        if cursor.offset >= loader.sampler.total_size:
-            # Saved after the last batch: the next run starts the next epoch.
-            return DataCursor(epoch=cursor.epoch + 1, offset=0)
-        return cursor
-
     def _gather_rng(self) -> torch.Tensor:
         # Through the strategy: ranks that never save (parameter servers) take no part.
         return self._strategy.gather_rng_states(checkpoint.rng_state())
@@ -138,7 +140,7 @@ class RunState:
             if wait and background:
                 strategy.barrier()
             return str(path) if topology.is_main else None
-        cursor = self._cursor()
+        cursor = self.loaders.cursor(self.epoch)
         state = {
             "format": "paratrain",
             "version": checkpoint.FORMAT_VERSION,
@@ -148,7 +150,9 @@ class RunState:
             "epoch": cursor.epoch,
             "cursor": {"epoch": cursor.epoch, "offset": cursor.offset},
             "schedulers": [s.state_dict() for s in self.schedulers],
+            "optimizer_types": checkpoint.optimizer_types(self.optimizers),
             "precision": self._precision.state_dict(),
+            "nonfinite_batches": list(self.nonfinite_batches),
             "rng": self._gather_rng(),
         }
         shards = None
@@ -244,6 +248,7 @@ class RunState:
                 f"checkpoint {path} holds {num_models} model(s) but "
                 f"{len(self.models)} were prepared; call run.prepare() before loading"
             )
+        checkpoint.check_optimizer_types(path, state, self.optimizers)
         if state.get("sharded"):
             self._load_sharded(path, state)
         for index, (model, model_state) in enumerate(zip(self.models, state["models"])):
@@ -266,6 +271,7 @@ class RunState:
         for scheduler, scheduler_state in zip(self.schedulers, state["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
         self._precision.load_state_dict(state["precision"])
+        self.nonfinite_batches[:] = state.get("nonfinite_batches", [])
         self.global_step = int(state["global_step"])
         self.epoch = int(state["epoch"])
         self._resume_cursor = DataCursor(**state["cursor"])

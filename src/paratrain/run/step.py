@@ -18,6 +18,8 @@ from paratrain import compile as compiling
 from paratrain.data.loader import DataCursor, ShardedSampler
 from paratrain.run import misuse
 from paratrain.run.build import guard_peers
+from paratrain.run.finite import FiniteGuard
+from paratrain.run.prepared import PreparedOptimizers, SchedulerSteps
 from paratrain.strategies.capabilities import require_compile
 
 
@@ -33,6 +35,22 @@ class TrainStep:
         """
         norm = self._last_grad_norm
         return None if norm is None else float(norm)
+
+    def _init_step_checks(self) -> None:
+        """The checks of a step: the right optimizer and schedulers, finite losses."""
+        self._optimizers = PreparedOptimizers(self.strategy.name)
+        self._scheduler_steps = SchedulerSteps()
+        self._finite = FiniteGuard(
+            policy=self.config.nan, agree=self.strategy.agree_flags, rank=self.rank,
+            device=self.device, scaled=self.precision.scaler is not None,
+            records=self.state.nonfinite_batches, warn=self.print)
+
+    def _bar_rates(self, samples_per_s: float) -> dict[str, float | None]:
+        """The progress bar's rates (:class:`~paratrain.run.flops.Throughput`) and the
+        optimizer steps skipped so far, once there are any."""
+        rates = self.throughput.bar_rates(samples_per_s)
+        skipped = self._finite.skipped_steps
+        return {**rates, "skipped_steps": skipped} if skipped else rates
 
     def _configure_compile(self) -> None:
         """Hand ``compile`` to the strategy before ``setup_model`` (CUDA graphs checked)."""
@@ -75,6 +93,8 @@ class TrainStep:
         try:
             with self._guard_peers(), self._hang.phase("backward"):
                 self.strategy.backward(self.precision.scale_loss(loss))
+            # After backward: a pipeline's loss has its value only then.
+            self._finite.saw_loss(loss)
         finally:
             self._count_flops_done()
         if self._compile_clock.stop():
@@ -100,6 +120,8 @@ class TrainStep:
             return False
         misuse.check_step_has_gradients(backward_called=self._backward_in_group,
                                         models=self.state.models, optimizer=optimizer)
+        self._optimizers.check_step(optimizer, self.state.models)
+        self._scheduler_steps.check(self.state.schedulers, self.state.global_step)
         with self._guard_peers(), self._hang.phase("step"):
             self._optimizer_step(optimizer)
         return True
@@ -135,11 +157,18 @@ class TrainStep:
                      for m in self.state.models]
             # A tensor: converting it here would wait for the device every step.
             self._last_grad_norm = torch.stack([n.float() for n in norms]).norm()
-        stepped = self.precision.step(optimizer, lambda: self.strategy.optimizer_step(optimizer))
+            self._finite.saw_grad_norm(self._last_grad_norm)
+        step = self.state.global_step + 1
+        # nan="skip": a non-finite step is not applied (grads zeroed, schedulers held).
+        skip = self._finite.before_update(step, self._train_loader)
+        stepped = not skip and self.precision.step(
+            optimizer, lambda: self.strategy.optimizer_step(optimizer))
+        self._finite.after_update(stepped, step)
         optimizer.zero_grad(set_to_none=True)
         if stepped:
             for scheduler in self.state.schedulers:
                 scheduler.step()
+            self._scheduler_steps.stepped(self.state.schedulers, step)
         self._micro_step = 0
         self.state.global_step += 1
         loader = self._train_loader
@@ -163,6 +192,7 @@ class TrainStep:
             self._micro_step = 0
         self._backward_in_group = False
         self._counts.reset()
+        self._finite.settle()  # the epoch's last step: stop or warn before the epoch ends
 
     def _count_flops_done(self) -> None:
         if self._flop_counter.active:

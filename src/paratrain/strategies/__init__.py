@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from paratrain.distributed.topology import Topology
+from paratrain.fieldtypes import check_types
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.table import strategy_entry, strategy_names
 
@@ -44,6 +45,9 @@ def create_strategy(name: str, topology: Topology, options: dict[str, Any] | Non
             f"strategy_options has unknown field(s) {unknown} for strategy {cls.name!r}; "
             f"known: {sorted(known) or 'none'}"
         )
+    # Types before the options' own checks, which assume them (one line, not a traceback).
+    check_types(cls.Options, options,
+                label=lambda field: f"strategy_options[{field!r}] of strategy {cls.name!r}")
     return cls(topology, cls.Options(**options), timeout_s=timeout_s)
 
 

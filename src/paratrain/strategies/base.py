@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.distributed._compat import all_gather_single
 from paratrain.distributed.dtensor import whole
 from paratrain.distributed.topology import Topology
 
@@ -143,6 +144,17 @@ class Strategy:
         parts = [torch.empty_like(tensor) for _ in range(self.data_parallel_size)]
         dist.all_gather(parts, tensor, group=self.data_parallel_group)
         return torch.stack(parts)
+
+    def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """``flags`` (a small integer tensor) of every rank that steps together with this
+        one, stacked (collective): what the run's non-finite check gathers once per
+        optimizer step so that all those ranks take the same decision. All ranks by
+        default: pipeline stages and tensor-parallel peers step together too."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flags.unsqueeze(0)
+        gathered = flags.new_empty(dist.get_world_size() * flags.numel())
+        all_gather_single(gathered, flags.reshape(-1).contiguous(), None)
+        return gathered.view(-1, *flags.shape)
 
     def barrier(self) -> None:
         if dist.is_initialized():

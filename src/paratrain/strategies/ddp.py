@@ -7,7 +7,11 @@ backward pass is still running, so communication overlaps computation.
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -96,6 +100,8 @@ class DDPStrategy(Strategy, Compiles):
 
             # state=None: the hook all-reduces over the default (world) group.
             ddp.register_comm_hook(state=None, hook=getattr(default_hooks, hook))
+        if not (self.options.find_unused_parameters or self.options.static_graph):
+            ddp.forward = _naming_unused(ddp, ddp.forward)  # type: ignore[method-assign]
         self._wrapped.append(ddp)
         return ddp
 
@@ -112,3 +118,58 @@ class DDPStrategy(Strategy, Compiles):
         for ddp in self._wrapped:
             _compat.release_ddp_reducer(ddp)
         self._wrapped.clear()
+
+
+# DDP's error when a parameter got no gradient in the previous step; it names the
+# parameters by index (or by name under TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL), in 30 lines.
+_UNFINISHED = "Expected to have finished reduction in the prior iteration"
+_INDICES = re.compile(r"Parameter indices which did not receive grad for rank \d+: ([\d ]+)")
+_NAMES = re.compile(r"Parameters which did not receive grad for rank \d+: ([^\n]+)")
+
+
+def _naming_unused(ddp: DistributedDataParallel,
+                   forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` with DDP's unused-parameter error turned into one line naming them."""
+
+    @functools.wraps(forward)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except RuntimeError as exc:
+            if _UNFINISHED not in str(exc):
+                raise
+            raise RuntimeError(unused_parameters_line(ddp, str(exc))) from None
+
+    return checked
+
+
+def reducer_parameter_names(ddp: DistributedDataParallel) -> list[str]:
+    """Names of the parameters DDP reduces, in its order (the indices of its messages):
+    per module, its own parameters that require grad, not ignored, each once."""
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    names, seen = [], set()
+    for module_name, module in ddp.module.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if (not param.requires_grad or f"{module_name}.{name}" in ignored
+                    or id(param) in seen):
+                continue
+            seen.add(id(param))
+            names.append(f"{module_name}.{name}" if module_name else name)
+    return names
+
+
+def unused_parameters_line(ddp: DistributedDataParallel, message: str) -> str:
+    """One line naming the parameters DDP says received no gradient, and the fixes."""
+    found = _NAMES.search(message)
+    names = [n.strip() for n in found.group(1).split(",")] if found else []
+    indices = _INDICES.search(message)
+    if not names and indices:
+        order = reducer_parameter_names(ddp)
+        names = [order[int(i)] if int(i) < len(order) else f"#{i}"
+                 for i in indices.group(1).split()]
+    # Short enough for the launcher's last line (it keeps 300 characters).
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"strategy 'ddp': parameters that received no gradient: "
+            f"{shown or 'unknown (DDP did not say)'}; pass strategy_options="
+            "{'find_unused_parameters': True}, use them in the loss, or freeze them "
+            "(requires_grad_(False)) before run.prepare()")

@@ -22,16 +22,23 @@ from paratrain.checkpoint.sharded import (
     lockstep_batches,
     rebuild_optimizer,
 )
+from paratrain.distributed.dtensor import whole
 
 __all__ = ["DTensorParameters", "gradient_sync_disabled", "mixed_precision_policy",
            "shard_units", "whole_model_state"]
 
 
 def whole_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s state with every DTensor gathered whole (collective over its mesh)."""
+    """``module``'s state with every DTensor gathered whole (collective over its mesh).
+
+    Gathered by :func:`~paratrain.distributed.dtensor.whole`, one all_gather per
+    tensor: DCP's ``full_state_dict`` gathers FSDP-over-TP pieces one mesh dimension
+    at a time, and DTensor warns about it on every rank.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    sharded = get_model_state_dict(module, options=StateDictOptions(full_state_dict=False))
+    return {name: whole(value) for name, value in sharded.items()}
 
 
 def mixed_precision_policy(precision: Any, *, refuse_fp16: str) -> Any:
@@ -59,12 +66,31 @@ def shard_units(model: nn.Module, wrap: Callable[[nn.Module], bool], *,
     first (per-block compile)."""
     from torch.distributed.fsdp import fully_shard
 
-    for _, module in reversed(list(model.named_modules())[1:]):
-        if wrap(module):
+    shared = shared_outside(model)
+    for name, module in reversed(list(model.named_modules())[1:]):
+        # A unit must own its parameters: one tied to a module outside it (GPT-2's
+        # embedding and head) stays with the enclosing unit, so both uses see one tensor.
+        if wrap(module) and not shared(name, module):
             if before_shard is not None:
                 before_shard(module)
             fully_shard(module, **fully_shard_kwargs)
     fully_shard(model, **fully_shard_kwargs)
+
+
+def shared_outside(model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """A test ``(name, module) -> bool``: does ``module`` hold a parameter that is also
+    registered outside it (tied weights)?"""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    tied = {key: value for key, value in names.items() if len(value) > 1}
+
+    def test(prefix: str, module: nn.Module) -> bool:
+        inside = prefix + "."
+        return any(not all(n.startswith(inside) for n in tied[id(p)])
+                   for p in module.parameters() if id(p) in tied)
+
+    return test
 
 
 @contextlib.contextmanager

@@ -96,8 +96,8 @@ DELEGATED = (
     "data_parallel_rank", "data_parallel_size", "data_parallel_group", "random_stream_rank",
     "setup_model", "setup_optimizer", "unwrap", "backward", "optimizer_step", "no_sync",
     "clip_grad_norm", "model_state_dict", "load_model_state_dict", "optimizer_state_dict",
-    "load_optimizer_state_dict", "all_reduce", "all_gather", "barrier", "gather_rng_states",
-    "teardown",
+    "load_optimizer_state_dict", "all_reduce", "all_gather", "agree_flags", "barrier",
+    "gather_rng_states", "teardown",
     # ShardedState
     "checkpoint_module", "partial_model", "save_sharded_state", "start_sharded_save",
     "load_sharded_state", "full_state_dict",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -11,9 +12,11 @@ from typing import Any
 
 from paratrain.distributed.spawn import WorkerFailed
 from paratrain.verify.probe import (
+    Factorization,
     ProbeSetup,
     resolve_accelerator,
 )
+from paratrain.verify.resume import verify_resume
 from paratrain.verify.runner import (
     DEFAULT_FACTORIZATIONS,
     check_tolerance,
@@ -22,6 +25,8 @@ from paratrain.verify.runner import (
 )
 
 __all__ = ["build_parser", "main"]
+
+RESUME_FACTORIZATION = "2x4x1"
 
 
 def _resolve(spec: str, option: str) -> Any:
@@ -35,17 +40,48 @@ def _resolve(spec: str, option: str) -> Any:
                          "that holds the module or add it to PYTHONPATH") from None
 
 
+def _options(text: str) -> dict[str, Any]:
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--strategy-options must be a JSON object, got {text!r} ({exc.msg}); "
+                         "e.g. '{\"split_points\": [2]}'") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"--strategy-options must be a JSON object, got {text!r}")
+    # JSON has no tuples; options such as split_points are declared as tuples.
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
+def _resume_factorizations(args: argparse.Namespace) -> list[Factorization]:
+    """--resume checks each factorization on its own: no reference, no shared global batch."""
+    if args.tolerance is not None:
+        raise ValueError("--tolerance does not apply to --resume: a resumed run must equal "
+                         "the uninterrupted one bitwise; leave --tolerance out")
+    if args.no_dropout:
+        raise ValueError("--no-dropout does not apply to --resume: dropout must resume exactly "
+                         "too; leave --no-dropout out")
+    items = (args.factorizations or RESUME_FACTORIZATION).split(",")
+    return list(dict.fromkeys(Factorization.parse(item) for item in items))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--factorizations", default=",".join(DEFAULT_FACTORIZATIONS),
-        help="comma-separated WORLDxMICROxACCUM with one global batch (default %(default)s)")
-    add("--steps", type=int, default=3, help="optimizer steps per probe")
+    add("--factorizations", default=None,
+        help="comma-separated WORLDxMICROxACCUM with one global batch (default "
+             f"{','.join(DEFAULT_FACTORIZATIONS)}; with --resume {RESUME_FACTORIZATION})")
+    add("--steps", type=int, default=3,
+        help="optimizer steps per probe (with --resume: steps before the checkpoint)")
+    add("--resume", action="store_true",
+        help="check instead that a run stopped after --steps steps and resumed from its "
+             "checkpoint continues bitwise equal to an uninterrupted run")
     add("--tolerance", type=float, default=None, help="max relative difference (default by precision)")
     add("--precision", default="32")
     add("--accelerator", default="auto",
         help="auto (CUDA when every process can have a GPU, default), cpu or cuda")
     add("--strategy", default="ddp", help="strategy for multi-process factorizations")
+    add("--strategy-options", default="{}", metavar="JSON",
+        help='its options as a JSON object, e.g. \'{"split_points": [2]}\'')
     add("--lr", type=float, default=0.05)
     add("--seed", type=int, default=0)
     add("--model", default=None, metavar="MODULE:FN", help="model factory (default: demo ConvNet)")
@@ -58,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``paratrain verify``: print the report; exit 1 if a factorization is flagged."""
+    """``paratrain verify``: print the report; exit 1 if a factorization is flagged (or,
+    with ``--resume``, if a resumed run differs)."""
     args = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # MODULE:FN in the current folder
@@ -72,17 +109,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fields[name] = _resolve(getattr(args, option), f"--{option}")
         setup = ProbeSetup(num_steps=args.steps, lr=args.lr, seed=args.seed,
                            precision=args.precision, strategy=args.strategy,
+                           strategy_options=_options(args.strategy_options),
                            accelerator=args.accelerator,
                            timeout_s=args.timeout, **fields)
-        factorizations = parse_factorizations(args.factorizations.split(","))
-        check_tolerance(setup, args.tolerance)
+        if args.resume:
+            factorizations = _resume_factorizations(args)
+        else:
+            factorizations = parse_factorizations(
+                (args.factorizations or ",".join(DEFAULT_FACTORIZATIONS)).split(","))
+            check_tolerance(setup, args.tolerance)
         resolve_accelerator(setup.accelerator, factorizations)
         if "data_fn" not in fields:
             from paratrain.datasets.images import find_fashion_mnist
 
             find_fashion_mnist()
-        report = verify(setup, factorizations=factorizations, tolerance=args.tolerance,
-                        no_dropout=args.no_dropout)
+        if args.resume:
+            report = verify_resume(setup, factorizations=factorizations)
+        else:
+            report = verify(setup, factorizations=factorizations, tolerance=args.tolerance,
+                            no_dropout=args.no_dropout)
     except (ValueError, FileNotFoundError) as exc:
         print(f"paratrain verify: {exc}", file=sys.stderr)
         return 2

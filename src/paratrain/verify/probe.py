@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -118,6 +118,9 @@ class ProbeSetup:
     strategy: str = "ddp"
     """Strategy for factorizations with more than one process."""
 
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """Its options (``Run(strategy_options=...)``), e.g. ``{"split_points": (2,)}``."""
+
     accelerator: str = "auto"
     """``auto`` (CUDA when enough devices are visible, see :func:`resolve_accelerator`),
     ``cpu`` or ``cuda``."""
@@ -138,7 +141,14 @@ class ProbeSetup:
             raise ValueError(f"accelerator must be 'auto', 'cpu' or 'cuda', got {self.accelerator!r}")
         from paratrain.strategies import strategy_class
 
-        strategy_class(self.strategy)  # ValueError naming the choices
+        options_class = strategy_class(self.strategy).Options  # ValueError naming the choices
+        if not isinstance(self.strategy_options, dict):
+            raise ValueError(f"strategy_options must be a dict, got {self.strategy_options!r}")
+        unknown = sorted(set(self.strategy_options) - {f.name for f in fields(options_class)})
+        if unknown:
+            raise ValueError(f"strategy_options has unknown field(s) {unknown} for strategy "
+                             f"{self.strategy!r}")
+        options_class(**self.strategy_options)  # their own checks, before any process starts
         for name in ("model_fn", "data_fn", "loader_fn", "step_fn"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"{name} must be callable, got {getattr(self, name)!r}")
@@ -218,10 +228,12 @@ def run_probe(setup: ProbeSetup, factorization: Factorization, variant: frozense
     Returns the sample fingerprints per step and, on rank 0, the parameter names,
     the gradients seen by the optimizer at each step and the final parameters.
     """
-    strategy = "single" if factorization.world_size == 1 else setup.strategy
-    run = Run(strategy=strategy, accumulate=factorization.accumulate, seed=setup.seed,
-              precision=setup.precision, accelerator=setup.accelerator, progress=False,
-              environ=environ)
+    one = factorization.world_size == 1
+    run = Run(strategy="single" if one else setup.strategy,
+              strategy_options={} if one else dict(setup.strategy_options),
+              accumulate=factorization.accumulate, seed=setup.seed, precision=setup.precision,
+              accelerator=setup.accelerator, progress=False, environ=environ,
+              nan="warn")  # a probe observes: a NaN micro-batch mean is what it may report
     try:
         if run.world_size != factorization.world_size:
             raise ValueError(f"probe {factorization.label} started with {run.world_size} processes")

@@ -135,7 +135,7 @@ def _compare(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> tuple[fl
 
 
 @contextlib.contextmanager
-def _caller_rng_kept() -> Iterator[None]:
+def caller_rng_kept() -> Iterator[None]:
     """Probes seed the global RNGs; the caller's streams continue as if nothing ran."""
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
@@ -190,7 +190,7 @@ def verify(setup: ProbeSetup | None = None, *,
     tolerance = check_tolerance(setup, tolerance)
     setup = replace(setup, accelerator=resolve_accelerator(setup.accelerator, factorizations))
     base = frozenset({"no-dropout"} if no_dropout else ())
-    with _caller_rng_kept():
+    with caller_rng_kept():
         traits = model_traits(setup.model_fn())
     # Diagnostic variants run alongside, so each world size needs one spawn only.
     variants = [base]
@@ -202,7 +202,7 @@ def verify(setup: ProbeSetup | None = None, *,
             variants.append(base | {"no-dropout", "frozen-batchnorm"})
     reference_f = factorizations[0]
     jobs = [(f, v) for f in factorizations for v in variants]
-    with _caller_rng_kept():
+    with caller_rng_kept():
         results = _run_all(setup, jobs)
 
     report = [FactorizationResult(reference_f, 0.0, 0.0, True, False, reference=True)]

@@ -155,6 +155,28 @@ def measure_costs(model: nn.Module, layout: PipelineLayout, device: torch.device
     return costs
 
 
+def refuse_ties_across_stages(model: nn.Module, stage_of: dict[str, int]) -> None:
+    """ValueError naming parameters that are one tensor but land on different stages.
+
+    ``stage_of`` maps each part (a submodule name) to its stage. Each stage lives in
+    its own process, so a tied parameter (``model[4].weight = model[0].weight``, a
+    language model's embedding and head) would become one copy per stage, each trained
+    on its own: the run would silently differ from the model. Ties within one stage
+    stay one tensor and are fine.
+    """
+    holders: dict[int, list[tuple[str, int]]] = {}
+    for part, stage in stage_of.items():
+        for name, param in model.get_submodule(part).named_parameters(remove_duplicate=False):
+            holders.setdefault(id(param), []).append((f"{part}.{name}", stage))
+    for names in holders.values():
+        if len({stage for _, stage in names}) > 1:
+            where = " and ".join(f"'{name}' (stage {stage})" for name, stage in names)
+            raise ValueError(
+                f"parameters {where} are tied (one tensor) but the pipeline puts them on "
+                "different stages, where each would train its own copy; put them on one "
+                "stage (split_points, or the parts of the PipelineLayout) or untie them")
+
+
 class StageParts(NamedTuple):
     """What one rank of a pipeline holds."""
 
@@ -214,6 +236,10 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int,
         else:
             costs = parameter_costs(model, layout)  # the same in every process
         stages = block_ranges(costs, num_stages)
+    refuse_ties_across_stages(model, {
+        **{name: 0 for name in layout.before},
+        **{f"{layout.blocks}.{i}": stage for stage, blocks in enumerate(stages) for i in blocks},
+        **{name: num_stages - 1 for name in layout.after}})
     whole = cut_stage(model, layout, stages, stage_indices)
     if len(stage_indices) == 1:
         return StageParts(whole, [whole])
@@ -234,6 +260,8 @@ def stage_layers(model: nn.Sequential, *, num_stages: int, stage_indices: list[i
                               num_stages)
     else:
         stages = ranges_from_points(len(children), num_stages, tuple(split_points), kind="start")
+    refuse_ties_across_stages(model, {children[i][0]: stage for stage, layers in enumerate(stages)
+                                      for i in layers})
     chunks = [nn.Sequential(OrderedDict(children[i] for i in stages[index]))
               for index in stage_indices]
     if len(chunks) == 1:

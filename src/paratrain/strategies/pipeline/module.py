@@ -198,17 +198,20 @@ class PipelineModule(nn.Module):
         return value * step["scale"]
 
     def _resolve(self, chain: list[Node], summed: bool) -> None:
-        values = torch.full((len(chain),), float("nan"), dtype=torch.float64, device=self.device)
+        # Row 0: the values; row 1: 1 where the node is a scalar (a NaN loss is a value
+        # too: it must reach every stage, for the run's non-finite check).
+        values = torch.zeros((2, len(chain)), dtype=torch.float64, device=self.device)
         if self.is_last:
             for i, records in enumerate(self._step["records"]):
                 if records and records[0].dim() == 0:
                     stacked = torch.stack([r.double() for r in records.values()])
-                    values[i] = stacked.sum() if summed else stacked.mean()
+                    values[0, i] = stacked.sum() if summed else stacked.mean()
+                    values[1, i] = 1
         if self.num_ranks > 1:
             # Only the last stage computed the loss: every stage reports the same value.
             dist.broadcast(values, src=self._last_rank, group=self.group)
-        for node, value in zip(chain, values.tolist()):
-            if value == value:  # not NaN: a scalar node of the chain
+        for node, (value, scalar) in zip(chain, zip(*values.tolist())):
+            if scalar:
                 node.value = torch.tensor(value, dtype=torch.float32, device=self.device)
 
     # -- evaluation ---------------------------------------------------------------

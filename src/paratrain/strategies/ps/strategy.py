@@ -219,6 +219,13 @@ class PSStrategy(Strategy, ServerRole, ReportsMetrics):
         self._settle()
         return super().all_gather(tensor)
 
+    def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:
+        if self.options.mode == "sync":
+            return self.all_gather(flags)
+        # async and ssp workers do not step together (a collective per step would make
+        # them): each decides on its own flags.
+        return flags.unsqueeze(0)
+
     def barrier(self) -> None:
         """Park: released once every worker that has not finished is parked."""
         self._settle()

@@ -33,6 +33,8 @@ from typing import Any
 
 from torch import nn
 
+from paratrain.adapters import adapter_for
+
 STYLES = ("colwise", "rowwise")
 """Styles a plan may name."""
 
@@ -76,7 +78,12 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None) -> dict[str, str
     automatic plan. ValueError for a pattern that matches nothing, a module matched by
     two patterns, or a match that is not an ``nn.Linear``."""
     if plan is None:
-        return automatic_plan(model)
+        adapter = adapter_for(model)
+        if adapter is not None and adapter.tensor_refusal is not None:
+            raise ValueError(adapter.tensor_refusal)
+        if adapter is None or adapter.tensor_plan is None:
+            return automatic_plan(model)
+        plan = adapter.tensor_plan(model)
     validate_plan(plan)
     modules = dict(model.named_modules())
     resolved: dict[str, str] = {}
@@ -120,9 +127,11 @@ def automatic_plan(model: nn.Module) -> dict[str, str]:
                 elif leaf in ROWWISE_NAMES:
                     resolved[full] = "rowwise"
     if not resolved:
-        raise ValueError("the automatic tensor-parallel plan found no attention/MLP linears "
-                         "in a ModuleList of blocks; give strategy_options={'plan': "
-                         "{'blocks.*.attn.q': 'colwise', ...}}")
+        raise ValueError(f"no adapter knows {type(model).__name__} and the automatic "
+                         "tensor-parallel plan found no attention/MLP linears in a ModuleList "
+                         "of blocks; pass a plan (TensorParallel(plan={'blocks.*.attn.q': "
+                         "'colwise', ...})) or register an adapter "
+                         "(paratrain.adapters.register_adapter)")
     return resolved
 
 
@@ -138,7 +147,7 @@ def check_divisible(model: nn.Module, plan: dict[str, str], degree: int) -> None
             raise ValueError(f"{name}.{side}={size} is not divisible by the tensor degree "
                              f"{degree}; choose a tensor degree that divides it")
     for parent_name, parent in _head_owners(model, plan):
-        for attribute in HEAD_ATTRIBUTES:
+        for attribute in split_attributes(model):
             heads = getattr(parent, attribute, None)
             if isinstance(heads, int) and heads % degree:
                 raise ValueError(f"{parent_name or 'model'}.{attribute}={heads} is not divisible "
@@ -150,10 +159,16 @@ def shard_heads(model: nn.Module, plan: dict[str, str], degree: int) -> None:
     """Divide the head count of every module that owns a colwise layer by ``degree``:
     after the split each rank computes its share of the heads."""
     for _, parent in _head_owners(model, plan):
-        for attribute in HEAD_ATTRIBUTES:
+        for attribute in split_attributes(model):
             heads = getattr(parent, attribute, None)
             if isinstance(heads, int):
                 setattr(parent, attribute, heads // degree)
+
+
+def split_attributes(model: nn.Module) -> tuple[str, ...]:
+    """Attributes divided by the tensor degree: head counts, and the model's adapter's."""
+    adapter = adapter_for(model)
+    return HEAD_ATTRIBUTES + (adapter.split_attributes if adapter is not None else ())
 
 
 def _head_owners(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, nn.Module]]:

@@ -1,0 +1,70 @@
+"""The built-in adapters: Hugging Face encoders and GPT-2, torchvision's ViT and ResNet.
+
+Models whose layer names the automatic plan already reads (``paratrain.models.GPT``,
+Llama/Mistral/Qwen2-style ``q_proj``/``o_proj``/``gate_proj``/``down_proj``) need no
+adapter for tensor parallel.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paratrain.adapters import ModelAdapter
+
+
+def _has_module(model: nn.Module, class_names: set[str]) -> bool:
+    return any(type(m).__name__ in class_names for m in model.modules())
+
+
+def _bert_plan(model: nn.Module) -> dict[str, str]:
+    # Every BERT-style layer's dense linears are all called "dense"; their role comes
+    # from where they sit.
+    plan = {}
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind.endswith("SelfAttention"):
+            plan.update({f"{name}.{leaf}": "colwise" for leaf in ("query", "key", "value")})
+        elif kind.endswith("SelfOutput"):
+            plan[f"{name}.dense"] = "rowwise"
+        elif kind.endswith("Intermediate"):
+            plan[f"{name}.dense"] = "colwise"
+        elif kind.endswith("Output") and hasattr(module, "dense") and f"{name}.dense" not in plan:
+            plan[f"{name}.dense"] = "rowwise"
+    return plan
+
+
+HF_ENCODER = ModelAdapter(
+    name="hf-encoder",
+    matches=lambda m: _has_module(m, {"BertSelfAttention", "RobertaSelfAttention",
+                                      "XLMRobertaSelfAttention", "ElectraSelfAttention"}),
+    tensor_plan=_bert_plan,
+    split_attributes=("num_attention_heads", "all_head_size"),
+)
+
+HF_GPT2 = ModelAdapter(
+    name="hf-gpt2",
+    matches=lambda m: _has_module(m, {"GPT2Attention"}),
+    tensor_refusal=("tensor parallel of Hugging Face GPT-2 is not available: its fused "
+                    "Conv1D q/k/v projection (c_attn) cannot be split as is; use dp_shard "
+                    "(fsdp) or a pipeline, or register an adapter with a plan "
+                    "(docs/strategies.md, 'Models')"),
+)
+
+TORCHVISION_VIT = ModelAdapter(
+    name="torchvision-vit",
+    matches=lambda m: type(m).__name__ == "VisionTransformer"
+    and _has_module(m, {"MultiheadAttention"}),
+    tensor_refusal=("tensor parallel of torchvision's ViT is not available: "
+                    "nn.MultiheadAttention packs q/k/v in one in_proj_weight; use dp_shard "
+                    "(fsdp) or dp_replicate (ddp)"),
+)
+
+TORCHVISION_RESNET = ModelAdapter(
+    name="torchvision-resnet",
+    matches=lambda m: type(m).__name__ == "ResNet",
+    tensor_refusal=("tensor parallel splits transformer linears and has no meaning for a "
+                    "ResNet (convolutions); use dp_replicate (ddp, with sync_batchnorm=True) "
+                    "or dp_shard (fsdp)"),
+)
+
+BUILTIN: tuple[ModelAdapter, ...] = (HF_ENCODER, HF_GPT2, TORCHVISION_VIT, TORCHVISION_RESNET)
