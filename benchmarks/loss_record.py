@@ -43,6 +43,16 @@ CASES: dict[str, tuple[int, dict]] = {
                            "strategy_options": {"schedule": "gpipe", "num_microbatches": 2}}),
     "hybrid": (2, {"strategy": "hybrid"}),
     "ps-sync": (3, {"strategy": "ps", "strategy_options": {"num_servers": 1}}),
+    "zero1": (2, {"strategy": "zero1"}),
+    "zero2": (2, {"strategy": "zero2"}),
+}
+# name -> (processes, Run keyword arguments): a small GPT on token data (tensor parallel
+# needs transformer blocks).
+GPT_CASES: dict[str, tuple[int, dict]] = {
+    "gpt-tp": (2, {"strategy": "tp"}),
+    "gpt-tp-sp-lp": (2, {"strategy": "tp", "strategy_options": {"sequence_parallel": True,
+                                                               "loss_parallel": True}}),
+    "gpt-fsdp_tp": (4, {"strategy": "fsdp_tp"}),
 }
 NUM_STEPS = 6
 
@@ -79,6 +89,30 @@ def strategy_case(rank: int, world_size: int, kwargs: dict) -> dict:
     return {"losses": [float(v).hex() for v in losses], "digest": digest}
 
 
+def gpt_case(rank: int, world_size: int, kwargs: dict) -> dict:
+    from paratrain.models import GPT
+
+    run = paratrain.Run(progress=False, accelerator="cpu", seed=7, **kwargs)
+    torch.manual_seed(7)
+    model = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, optimizer = run.prepare(model, optimizer)
+    g = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 32, (NUM_STEPS, 8, 9), generator=g)
+    size, index = run.strategy.data_parallel_size, run.strategy.data_parallel_rank
+    losses = []
+    for step in range(NUM_STEPS):
+        batch = data[step].chunk(size)[index]
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        run.backward(loss)
+        run.step(optimizer)
+        losses.append(float(run.mean(loss)).hex())
+    digest = local_digest(run, model)
+    run.close()
+    return {"losses": losses, "digest": digest}
+
+
 def demo_case(rank: int, world_size: int, num_steps: int) -> dict:
     from paratrain.datasets.images import fashion_mnist
     from paratrain.models import convnet
@@ -108,6 +142,9 @@ def record(names: list[str]) -> dict:
         started = time.perf_counter()
         if name == "demo":
             per_rank = spawn(demo_case, 2, 50, timeout=600)
+        elif name in GPT_CASES:
+            num_procs, kwargs = GPT_CASES[name]
+            per_rank = spawn(gpt_case, num_procs, kwargs, timeout=600)
         else:
             num_procs, kwargs = CASES[name]
             per_rank = spawn(strategy_case, num_procs, kwargs, timeout=600)
@@ -133,13 +170,14 @@ def compare(found: dict, expected: dict) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join([*CASES, "demo"]),
-                        help="comma-separated subset of: " + ", ".join([*CASES, "demo"]))
+    names = [*CASES, *GPT_CASES, "demo"]
+    parser.add_argument("--cases", default=",".join(names),
+                        help="comma-separated subset of: " + ", ".join(names))
     parser.add_argument("--out", default=None, help="write the record here (JSON)")
     parser.add_argument("--check", default=None, help="compare with this record")
     args = parser.parse_args()
     names = [n for n in args.cases.split(",") if n]
-    unknown = sorted(set(names) - {*CASES, "demo"})
+    unknown = sorted(set(names) - {*CASES, *GPT_CASES, "demo"})
     if unknown:
         parser.error(f"unknown case(s) {unknown}")
     results = record(names)

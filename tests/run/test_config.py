@@ -141,3 +141,24 @@ def test_every_strategy_option_has_a_checkable_type(name):
     """Each option's annotation resolves, so its type is checked, not skipped."""
     options = strategy_class(name).Options
     assert set(field_types(options)) == {f.name for f in dataclasses.fields(options)}
+
+
+def test_run_signature_lists_every_config_field_with_its_default():
+    import dataclasses
+    import inspect
+
+    import paratrain
+    from paratrain.config import RunConfig
+
+    signature = inspect.signature(paratrain.Run)
+    named = {n: p for n, p in signature.parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    assert set(named) - {"environ"} == set(fields)
+    # Two arguments default to None on purpose: strategy_options (a fresh dict) and
+    # timeout_s (PARATRAIN_TIMEOUT_S, then RunConfig's default).
+    for name, field in fields.items():
+        if name in ("strategy_options", "timeout_s"):
+            assert named[name].default is None
+        else:
+            assert named[name].default == field.default, name

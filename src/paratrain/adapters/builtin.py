@@ -46,7 +46,7 @@ HF_GPT2 = ModelAdapter(
     matches=lambda m: _has_module(m, {"GPT2Attention"}),
     tensor_refusal=("tensor parallel of Hugging Face GPT-2 is not available: its fused "
                     "Conv1D q/k/v projection (c_attn) cannot be split as is; use dp_shard "
-                    "(fsdp) or a pipeline, or register an adapter with a plan "
+                    "(fsdp) or dp_replicate (ddp), or register an adapter with a plan "
                     "(docs/strategies.md, 'Models')"),
 )
 

@@ -23,7 +23,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -33,13 +32,13 @@ from paratrain.config import RunConfig
 from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler
 from paratrain.distributed import _compat
-from paratrain.distributed.dtensor import whole
 from paratrain.distributed.process_group import destroy_process_group
 from paratrain.losses import GlobalCount
 from paratrain.reliability import signals
-from paratrain.run import collective_calls, evaluation, misuse
+from paratrain.run import collective_calls, misuse
 from paratrain.run.build import build_parts
 from paratrain.run.hooks import AfterStep, FaultHook, HealthHook, PeriodicSave, StopOnSignal
+from paratrain.run.metrics import Metrics
 from paratrain.run.samples import SampleCounter
 from paratrain.run.seeding import seed_everything
 from paratrain.run.state import RunState
@@ -50,23 +49,43 @@ from paratrain.sync_batchnorm import convert_sync_batchnorm
 
 
 @collective_calls.tracked  # a collective method called on some ranks only: one line
-class Run(TrainStep):
+class Run(TrainStep, Metrics):
     """A training run: topology, strategy, precision, data, checkpoints and reporting.
 
     Construct it first thing in the script. It reads the launcher's environment
     (a single process when unlaunched), creates the process group, seeds every
     RNG with ``seed`` so that models are built identically on all ranks, and
-    picks the strategy. Keyword arguments are the fields of :class:`RunConfig`.
+    picks the strategy. The keyword arguments are the fields of :class:`RunConfig`
+    (documented there); a misspelled one is one line naming the closest.
     """
 
-    def __init__(self, *, environ: dict[str, str] | None = None, **config: Any) -> None:
+    def __init__(
+        self, *, strategy: str = "auto", strategy_options: dict[str, Any] | None = None,
+        parallel: Any = None, sync_batchnorm: bool = False, precision: str = "32",
+        accumulate: int = 1, max_grad_norm: float | None = None, nan: str = "stop",
+        checkpoint_activations: Any = None, seed: int = 0, timeout_s: float | None = None,
+        accelerator: str = "auto", checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None, keep_checkpoints: int = 2,
+        async_save: bool = False, progress: bool = True,
+        metrics_path: str | os.PathLike | None = None,
+        tensorboard_dir: str | os.PathLike | None = None, tokens_per_sample: int | None = None,
+        peak_flops: float | None = None, compile: bool | dict[str, Any] = False,
+        environ: dict[str, str] | None = None, **misspelled: Any,
+    ) -> None:
         # Bad input and lost peers end the process with one line, not a traceback.
         signals.install_excepthook()
         settings = Settings.from_environ(environ)
         signals.install_excepthook(show_traceback=settings.show_traceback,
                                    launched=settings.launched)
-        if "timeout_s" not in config and settings.timeout_s is not None:
-            config["timeout_s"] = settings.timeout_s
+        config = {name: value for name, value in locals().items()
+                  if name in RunConfig.__dataclass_fields__}
+        config["strategy_options"] = {} if strategy_options is None else strategy_options
+        # timeout_s=None: PARATRAIN_TIMEOUT_S when set, else RunConfig's default.
+        if timeout_s is None:
+            config.pop("timeout_s")
+            if settings.timeout_s is not None:
+                config["timeout_s"] = settings.timeout_s
+        config.update(misspelled)
         self.config = RunConfig.from_arguments(config)  # a misspelled name: one line
         self._closed = False
         self._peer_lost = False
@@ -282,66 +301,6 @@ class Run(TrainStep):
         return self.reporter.progress(batches, total_samples=remaining,
                                       samples_per_batch=per_batch, desc=desc,
                                       rates=self._bar_rates)
-
-    # -- evaluation and metrics -------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, model: nn.Module, loader: Iterable[Any], *, loss_fn: Any = None,
-                 batch_fn: Any = None) -> dict:
-        """Loss and accuracy of a classifier over ``loader``, exact across ranks.
-
-        Sums and counts are reduced, not per-rank means, so the result equals the
-        single-process one even when ranks hold different numbers of samples.
-        Batches: ``(inputs, labels)``, a dict naming both, or ``batch_fn(batch)``'s pair.
-        """
-        loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out, y, reduction="sum"))
-        module = self.strategy.unwrap(model)
-        was_training = module.training
-        module.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        # Sharded strategies run uncounted stand-in batches so every rank's forward
-        # (which communicates) runs equally often.
-        for (x, y), counted in evaluation.pairs(self.strategy, loader, batch_fn):
-            out = self.precision.forward(module, x)
-            if not counted:
-                continue
-            # whole(): vocabulary-sharded logits (tp's loss_parallel) are DTensors.
-            totals[0] += whole(loss_fn(out.float(), y)).double()
-            totals[1] += (whole(out.argmax(dim=-1)) == y).sum()
-            totals[2] += y.numel()
-        module.train(was_training)
-        loss_sum, correct, count = self.strategy.all_reduce(totals, "sum").tolist()
-        misuse.check_evaluated(count)
-        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1),
-                "count": int(count)}
-
-    def _reduce(self, value: Any, op: str) -> Any:
-        tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value,
-                                 device=self.device)
-        if not tensor.is_floating_point():
-            tensor = tensor.double()
-        with self._guard_peers():
-            result = self.strategy.all_reduce(tensor.float() if op == "mean" else tensor, op)
-        return result.item() if result.numel() == 1 else result
-
-    def mean(self, value: Any) -> Any:
-        """Mean of ``value`` over data-parallel ranks (a float for scalars)."""
-        return self._reduce(value, "mean")
-
-    def sum(self, value: Any) -> Any:
-        """Sum of ``value`` over data-parallel ranks (a float for scalars)."""
-        return self._reduce(value, "sum")
-
-    def gather(self, value: Any) -> torch.Tensor:
-        """``value`` from every data-parallel rank, stacked along a new first dimension."""
-        return self.strategy.all_gather(torch.as_tensor(value, device=self.device))
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on rank 0 only."""
-        self.reporter.print(*args, **kwargs)
-
-    def log(self, metrics: dict[str, Any]) -> None:
-        """Append ``metrics`` to the metrics log (rank 0), stamped with the global step."""
-        self.reporter.log(metrics, step=self.global_step)
 
     # -- checkpoints --------------------------------------------------------------
     def save(self, directory: str | os.PathLike | None = None, *, wait: bool = False) -> str | None:

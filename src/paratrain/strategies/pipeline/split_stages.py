@@ -18,13 +18,12 @@ from torch import nn
 
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
-from paratrain.strategies.dtensor_params import shard_units
-from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
+from paratrain.strategies.fsdp import FSDPOptions
 from paratrain.strategies.tensor.plan import resolve_plan
 from paratrain.strategies.tensor.strategy import (
     TPOptions,
-    apply_tp,
     global_grad_norm,
+    parallelize,
     scale_gradients,
 )
 
@@ -54,18 +53,11 @@ class SplitStages:
     _mp_policy: Any
 
     def _split_stage(self, stage: nn.Module) -> None:
-        """Tensor parallel, then FSDP, over this stage (torchtitan's order)."""
-        d = self.mesh.degrees
-        if d.tensor_degree > 1:
-            apply_tp(stage, self.mesh.submesh("tensor"), resolve_plan(stage, self.tp_options.plan))
-        if d.shard_degree > 1:
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            data_axes = ("replicate", "shard") if d.replicate_degree > 1 else ("shard",)
-            shard_units(stage, wrap_predicate(self.fsdp_options.wrap_policy, stage),
-                        mesh=self.mesh.submesh(*data_axes),
-                        reshard_after_forward=self.fsdp_options.reshard_after_forward,
-                        mp_policy=self._mp_policy or MixedPrecisionPolicy())
+        """Tensor parallel, then FSDP, over this stage (the one composition)."""
+        plan = (resolve_plan(stage, self.tp_options.plan)
+                if self.mesh.degrees.tensor_degree > 1 else None)
+        parallelize(stage, self.mesh, plan=plan, sharding=self.fsdp_options,
+                    mp_policy=self._mp_policy)
 
     def _clip_dtensor_grads(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]

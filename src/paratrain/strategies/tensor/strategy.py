@@ -40,7 +40,7 @@ from paratrain.strategies.dtensor_params import (
     mixed_precision_policy,
     shard_units,
 )
-from paratrain.strategies.fsdp import wrap_predicate
+from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
 from paratrain.strategies.tensor.plan import (
     check_divisible,
     resolve_plan,
@@ -87,6 +87,14 @@ class TPOptions:
         if self.output_layer is not None and not self.loss_parallel:
             raise ValueError("output_layer is only used with loss_parallel=True; set both")
 
+    def degrees(self, topology: Topology) -> ParallelDegrees:
+        """``tp``: every rank splits the layers (one data-parallel rank)."""
+        return ParallelDegrees(tensor_degree=topology.world_size)
+
+    def sharding(self) -> FSDPOptions:
+        """FSDP options over the data axes (none are sharded under ``tp``)."""
+        return FSDPOptions()
+
 
 @dataclass(frozen=True, kw_only=True)
 class FSDPTPOptions(TPOptions):
@@ -105,6 +113,17 @@ class FSDPTPOptions(TPOptions):
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError("reshard_after_forward must be True or False, got "
                              f"{self.reshard_after_forward!r}")
+
+    def degrees(self, topology: Topology) -> ParallelDegrees:
+        """``shard x tensor``, the shard degree filling the world."""
+        if not topology.is_distributed:
+            return ParallelDegrees()  # one process runs as 'single' (see notice)
+        return ParallelDegrees.infer(world_size=topology.world_size, pipeline_degree=1,
+                                     replicate_degree=1, shard_degree=None,
+                                     tensor_degree=self.tensor_degree)
+
+    def sharding(self) -> FSDPOptions:
+        return FSDPOptions(reshard_after_forward=self.reshard_after_forward)
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str], *,
@@ -128,11 +147,31 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str], *,
     shard_heads(model, plan, degree)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any, *, reshard_after_forward: bool,
-               mp_policy: Any) -> None:
-    """``fully_shard`` every block (as ``fsdp``'s default wrap policy), then the root."""
-    shard_units(model, wrap_predicate(None, model), mesh=dp_mesh,
-                reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+def parallelize(module: nn.Module, mesh: ParallelMesh, *, plan: dict[str, str] | None,
+                sharding: FSDPOptions, mp_policy: Any, sequence_parallel: bool = False,
+                output_layer: str | None = None) -> bool:
+    """The one composition of a model (or a pipeline stage) over ``mesh``'s degrees.
+
+    In torchtitan's order: tensor parallel over the ``tensor`` axis (with sequence
+    parallel, then loss parallel on ``output_layer``), then FSDP2 over the data axes
+    (``shard``, or ``replicate x shard``: HSDP). Returns whether loss parallel was
+    applied (the caller holds torch's ``loss_parallel()`` context while it trains).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    d = mesh.degrees
+    if d.tensor_degree > 1:
+        tp_mesh = mesh.submesh("tensor")
+        apply_tp(module, tp_mesh, plan or {}, sequence_parallel=sequence_parallel)
+        if output_layer is not None:
+            apply_loss_parallel(module, tp_mesh, output_layer)
+    if d.shard_degree > 1:
+        data_axes = ("replicate", "shard") if d.replicate_degree > 1 else ("shard",)
+        shard_units(module, wrap_predicate(sharding.wrap_policy, module),
+                    mesh=mesh.submesh(*data_axes),
+                    reshard_after_forward=sharding.reshard_after_forward,
+                    mp_policy=mp_policy or MixedPrecisionPolicy())
+    return d.tensor_degree > 1 and output_layer is not None
 
 
 def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
@@ -205,16 +244,13 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
     def __init__(self, topology: Topology, options: Any = None, *,
                  timeout_s: float = 300.0) -> None:
         super().__init__(topology, options, timeout_s=timeout_s)
-        self.mesh = ParallelMesh(self._degrees(topology), topology)
+        self.mesh = ParallelMesh(self.options.degrees(topology), topology)
         self.active = topology.is_distributed
         self._mp_policy: Any = None
         # Holds torch's loss_parallel() from setup_model to teardown (loss_parallel=True).
         self._loss_context = contextlib.ExitStack()
         self._names: dict[int, str] = {}
         self._params: dict[str, nn.Parameter] = {}
-
-    def _degrees(self, topology: Topology) -> ParallelDegrees:
-        return ParallelDegrees(tensor_degree=topology.world_size)
 
     def notice(self) -> str | None:
         if self.active:
@@ -252,13 +288,11 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
             block_container(model, plan)
         output_layer = (find_output_layer(model, self.options.output_layer)
                         if self.options.loss_parallel else None)
-        if self.active:
-            tp_mesh = self.mesh.submesh("tensor")
-            apply_tp(model, tp_mesh, plan, sequence_parallel=self.options.sequence_parallel)
-            if output_layer is not None:
-                apply_loss_parallel(model, tp_mesh, output_layer)
-                self._loss_context.enter_context(loss_parallel_context())
-            self._shard_data_parallel(model)
+        if self.active and parallelize(
+                model, self.mesh, plan=plan, sharding=self.options.sharding(),
+                mp_policy=self._mp_policy, sequence_parallel=self.options.sequence_parallel,
+                output_layer=output_layer):
+            self._loss_context.enter_context(loss_parallel_context())
         self._remember(model, names)
         return model
 
@@ -268,9 +302,6 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
             yield from ((batch, True) for batch in batches)
             return
         yield from super().evaluation_batches(batches)
-
-    def _shard_data_parallel(self, model: nn.Module) -> None:
-        """After tensor parallel: nothing for ``tp`` (one data-parallel rank)."""
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         if self.data_parallel_size == 1:
@@ -302,20 +333,6 @@ class FSDPTPStrategy(TPStrategy):
 
     name = "fsdp_tp"
     Options = FSDPTPOptions
-
-    def _degrees(self, topology: Topology) -> ParallelDegrees:
-        if not topology.is_distributed:
-            return ParallelDegrees()  # one process runs as 'single' (see notice)
-        return ParallelDegrees.infer(world_size=topology.world_size, pipeline_degree=1,
-                                     replicate_degree=1, shard_degree=None,
-                                     tensor_degree=self.options.tensor_degree)
-
-    def _shard_data_parallel(self, model: nn.Module) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        apply_fsdp(model, self.mesh.submesh("shard"),
-                   reshard_after_forward=self.options.reshard_after_forward,
-                   mp_policy=self._mp_policy or MixedPrecisionPolicy())
 
     def notice(self) -> str | None:
         if not self.active:

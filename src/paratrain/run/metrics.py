@@ -1,0 +1,80 @@
+"""Evaluation and metrics over the data-parallel ranks: the collective read-outs of ``Run``.
+
+A mix-in of :class:`~paratrain.run.core.Run` (beside :class:`~paratrain.run.step.TrainStep`):
+it reads the run's ``strategy``, ``precision``, ``device`` and ``reporter``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.distributed.dtensor import whole
+from paratrain.run import evaluation, misuse
+
+
+class Metrics:
+    """``run.evaluate``, ``run.mean``/``sum``/``gather``, ``run.print`` and ``run.log``."""
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader: Iterable[Any], *, loss_fn: Any = None,
+                 batch_fn: Any = None) -> dict:
+        """Loss and accuracy of a classifier over ``loader``, exact across ranks.
+
+        Sums and counts are reduced, not per-rank means, so the result equals the
+        single-process one even when ranks hold different numbers of samples.
+        Batches: ``(inputs, labels)``, a dict naming both, or ``batch_fn(batch)``'s pair.
+        """
+        loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out, y, reduction="sum"))
+        module = self.strategy.unwrap(model)
+        was_training = module.training
+        module.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # Sharded strategies run uncounted stand-in batches so every rank's forward
+        # (which communicates) runs equally often.
+        for (x, y), counted in evaluation.pairs(self.strategy, loader, batch_fn):
+            out = self.precision.forward(module, x)
+            if not counted:
+                continue
+            # whole(): vocabulary-sharded logits (tp's loss_parallel) are DTensors.
+            totals[0] += whole(loss_fn(out.float(), y)).double()
+            totals[1] += (whole(out.argmax(dim=-1)) == y).sum()
+            totals[2] += y.numel()
+        module.train(was_training)
+        loss_sum, correct, count = self.strategy.all_reduce(totals, "sum").tolist()
+        misuse.check_evaluated(count)
+        return {"loss": loss_sum / max(count, 1), "accuracy": correct / max(count, 1),
+                "count": int(count)}
+
+    def _reduce(self, value: Any, op: str) -> Any:
+        tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value,
+                                 device=self.device)
+        if not tensor.is_floating_point():
+            tensor = tensor.double()
+        with self._guard_peers():
+            result = self.strategy.all_reduce(tensor.float() if op == "mean" else tensor, op)
+        return result.item() if result.numel() == 1 else result
+
+    def mean(self, value: Any) -> Any:
+        """Mean of ``value`` over data-parallel ranks (a float for scalars)."""
+        return self._reduce(value, "mean")
+
+    def sum(self, value: Any) -> Any:
+        """Sum of ``value`` over data-parallel ranks (a float for scalars)."""
+        return self._reduce(value, "sum")
+
+    def gather(self, value: Any) -> torch.Tensor:
+        """``value`` from every data-parallel rank, stacked along a new first dimension."""
+        return self.strategy.all_gather(torch.as_tensor(value, device=self.device))
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only."""
+        self.reporter.print(*args, **kwargs)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Append ``metrics`` to the metrics log (rank 0), stamped with the global step."""
+        self.reporter.log(metrics, step=self.global_step)
