@@ -20,7 +20,6 @@ leaves the ones before it.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_peers import loss_fn, make_model
+from gpu_peers import fresh_device, loss_fn, make_model
 from peers_report import job_size
 
 from paratrain.run.flops import Throughput, device_peak_flops
@@ -51,12 +50,7 @@ def time_variant(variant: str, size, *, device: torch.device, precision: str, wa
     """Build, warm up and time one variant; a dict row (rates None where n/a)."""
     import paratrain
 
-    torch.compiler.reset()
-    gc.collect()
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    cuda = fresh_device(device)
     run = paratrain.Run(strategy="single", accelerator=device.type, precision=precision,
                         compile=compile_option(variant, backend), progress=False, seed=0,
                         tokens_per_sample=size.seq_len, peak_flops=peak_flops)

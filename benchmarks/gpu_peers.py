@@ -193,18 +193,26 @@ def resident_mib() -> float | None:
         return None
 
 
-def measure(variant: str, job: str, size: JobSize, dataset: TensorDataset,
-            device: torch.device, *, precision: str, warmup: int,
-            steps: int) -> tuple[float, float | None]:
-    """Build ``variant`` afresh, warm it up, time ``steps`` steps: (samples/s, peak MiB)."""
-    # Compiled code (and the memory pools of its CUDA graphs) from an earlier variant
-    # would otherwise stay alive and count in this one's peak.
+
+def fresh_device(device: torch.device) -> bool:
+    """Forget an earlier variant's compiled code and peak memory; whether it is CUDA.
+
+    Compiled code (and the memory pools of its CUDA graphs) from an earlier variant
+    would otherwise stay alive and count in the next one's peak.
+    """
     torch.compiler.reset()
     gc.collect()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    return cuda
+
+def measure(variant: str, job: str, size: JobSize, dataset: TensorDataset,
+            device: torch.device, *, precision: str, warmup: int,
+            steps: int) -> tuple[float, float | None]:
+    """Build ``variant`` afresh, warm it up, time ``steps`` steps: (samples/s, peak MiB)."""
+    cuda = fresh_device(device)
     step, batches, cleanup = BUILDERS[variant](job, size, dataset, device, precision,
                                                COMPILE.get(variant, False))
     try:

@@ -136,10 +136,19 @@ def test_state_bytes_counts_params_grads_and_adam_state():
 
 
 def test_memory_watch_sees_a_new_allocation():
-    watch = MemoryWatch(torch.device("cpu"))
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written so it is resident
-    assert watch.peak_above_baseline() >= 60 * 2**20
-    del block
+    import gc
+
+    # Garbage of earlier tests freed inside the window would lower the resident size
+    # below the baseline and hide the new block: collect it first, and not in between.
+    gc.collect()
+    gc.disable()
+    try:
+        watch = MemoryWatch(torch.device("cpu"))
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, written so it is resident
+        assert watch.peak_above_baseline() >= 60 * 2**20
+        del block
+    finally:
+        gc.enable()
 
 
 def test_make_loss_rule():

@@ -220,10 +220,9 @@ class PSStrategy(Strategy, ServerRole, ReportsMetrics):
         return super().all_gather(tensor)
 
     def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:
-        if self.options.mode == "sync":
-            return self.all_gather(flags)
-        # async and ssp workers do not step together (a collective per step would make
-        # them): each decides on its own flags.
+        # Workers do not step together, not even in sync mode (a worker with fewer steps
+        # finishes while the others go on, and the server averages whoever is left): a
+        # per-step collective among them would mismatch. Each decides on its own flags.
         return flags.unsqueeze(0)
 
     def barrier(self) -> None:
