@@ -6,6 +6,11 @@ the change and check after it:
     python benchmarks/loss_record.py --out /tmp/before.json
     python benchmarks/loss_record.py --check benchmarks/loss_record.baseline.json
 
+The bits depend on the CPU's kernels (vendor, AVX2 vs AVX-512), so the committed
+``loss_record.baseline.json`` only holds on the machine kind that wrote it: on another
+machine, record the previous commit there first (a ``git worktree`` with its ``src`` on
+``PYTHONPATH``), then check the change against that record.
+
 Each case trains a few steps on gloo ranks (the spawn helper) and records the rank-mean
 loss of every step as ``float.hex`` plus a digest of every rank's final local parameters.
 The ``demo`` case is the first 50 steps of ``paratrain demo`` (ConvNet, Fashion-MNIST,
