@@ -54,7 +54,7 @@ def test_every_preset_names_degrees_that_choose_it_or_its_variant(name):
     # HSDP over nodes, which on one node of 4 is plain sharding.
     assert chosen == {"zero1": "ddp", "zero2": "fsdp", "hybrid": "fsdp"}.get(name, name)
     # The preset and its spelled-out degrees agree, so the preset keeps running.
-    assert resolve_strategy(name, {}, degrees.shape and _spelled(degrees), world_size=world,
+    assert resolve_strategy(name, {}, _spelled(degrees), world_size=world,
                             local_world_size=world)[0] == name
 
 

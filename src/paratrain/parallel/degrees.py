@@ -15,7 +15,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from paratrain.distributed.mesh import ParallelDegrees
@@ -134,10 +134,6 @@ class Parallel:
                              f"tp that divides {node}")
         return ParallelDegrees(pipeline_degree=given["pp"], replicate_degree=given["dp_replicate"],
                                shard_degree=given["dp_shard"], tensor_degree=given["tp"])
-
-    def with_options(self, **options: Any) -> Parallel:
-        """A copy with the given ``tensor`` / ``sharding`` / ``pipeline`` options."""
-        return replace(self, **options)
 
     def __str__(self) -> str:
         parts = [f"{name}={getattr(self, name)}" for name in DEGREES
