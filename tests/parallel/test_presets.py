@@ -67,7 +67,7 @@ def _spelled(degrees):
     ("fsdp", "dp_replicate=4", r"strategy 'fsdp' means dp_shard=4 on 4 processes but "
                                r"parallel= says dp_replicate=4; drop one of them"),
     ("ps", "dp_shard=4", r"strategy 'ps' is not a layout of degrees"),
-    ("auto", "dp_replicate=2,tp=2", r"dp_replicate x tp without a pipeline is not built yet"),
+    ("auto", "dp_replicate=2,tp=2", r"dp_replicate x tp needs dp_shard > 1 \(HSDP x TP\)"),
     ("ddp", Parallel(dp_shard=4, sharding=Sharding(offload=True)), r"strategy 'ddp' means"),
 ])
 def test_contradictions_are_one_line(name, spec, message):

@@ -30,8 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.strategies import available_strategies
-from paratrain.strategies.capabilities import ShardedState, contract_members, local_module
-from paratrain.strategies.hybrid import DELEGATED, HybridStrategy
+from paratrain.strategies.capabilities import ShardedState, local_module
 from paratrain.testing.numerics import TrainingBound, assert_params_within
 from paratrain.testing.reference import synthetic_classification
 
@@ -202,34 +201,16 @@ def test_contract(name, reference, tmp_path):
         assert not result["model_alive"]
 
 
-def test_hybrid_implements_or_delegates_every_contract_member():
-    # Defined on hybrid itself (written or forwarded): none falls back to the base class
-    # or a capability default.
-    members = contract_members(HybridStrategy)
-    assert {m for m in members if m not in vars(HybridStrategy)} == set()
-
-
-class Recorder:
-    """Stands in for hybrid's inner strategy: records which member was reached."""
-
-    def __init__(self) -> None:
-        self.reached: list[str] = []
-
-    def __getattr__(self, name: str) -> Any:
-        self.reached.append(name)
-        return (lambda *args, **kwargs: name) if name not in PROPERTIES else name
-
-
-PROPERTIES = {"data_parallel_rank", "data_parallel_size", "data_parallel_group", "partial_model"}
-
-
-def test_hybrid_forwards_each_delegated_member_to_its_inner_strategy():
+def test_hybrid_is_the_strategy_that_runs_its_degrees_named_hybrid():
+    # No composite forwarding members: the preset returns the one implementation of the
+    # layout (pipeline for pp > 1, fsdp on a 2-D mesh for HSDP), so no contract member
+    # can silently fall back to a single-process default.
     from paratrain.distributed.topology import Topology
+    from paratrain.strategies import create_strategy
+    from paratrain.strategies.fsdp import FSDPStrategy
 
-    hybrid = HybridStrategy(Topology(), timeout_s=12.0)
-    assert hybrid.inner.timeout_s == 12.0
-    hybrid.inner = Recorder()
-    for member in DELEGATED:
-        value = getattr(hybrid, member)
-        assert (value if member in PROPERTIES else value(None)) == member
-    assert hybrid.inner.reached == list(DELEGATED)
+    hsdp = create_strategy("hybrid", Topology(), timeout_s=12.0)
+    assert type(hsdp) is FSDPStrategy and hsdp.name == "hybrid" and hsdp.timeout_s == 12.0
+    assert hsdp.mesh.degrees.shape == (1, 1, 1, 1)
+    assert "running as 'single'" in hsdp.notice()  # one process: fsdp's own fallback line
+    assert FSDPStrategy(Topology()).name == "fsdp"  # the class keeps its own name

@@ -1,5 +1,8 @@
 """``hybrid``'s layouts with a pipeline inside: pipeline x FSDP, pipeline x TP and the
-3-D pipeline x FSDP x TP, on gloo ranks against one process training the same GPT."""
+3-D pipeline x FSDP x TP, on gloo ranks against one process training the same GPT.
+
+The 2-D layouts (and pipeline x HSDP) are in the degree grid,
+tests/parallel/test_degree_grid.py; here the 3-D layout also saves and resumes."""
 
 import logging
 
@@ -121,22 +124,6 @@ def test_three_axes_are_inferred_and_checked_once():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options, data_parallel, axes", [
-    ({"pipeline_degree": 2, "shard_degree": 2}, 2, ("shard",)),
-    ({"pipeline_degree": 2, "tensor_degree": 2}, 1, ("tensor",)),
-], ids=["2pp_x_2fsdp", "2pp_x_2tp"])
-def test_pipeline_x_one_more_axis_on_four_ranks_matches_single(reference, options,
-                                                               data_parallel, axes):
-    options = {**options, "pipeline": {"schedule": "1f1b", "num_microbatches": 2}}
-    results = spawn(worker, 4, options, timeout=300)
-    for result in results:
-        assert_matches(result, reference)
-        assert result["meshes"] == {axes}
-    assert sorted(r["data_parallel"] for r in results) == sorted(
-        (data_parallel, rank % data_parallel) for rank in range(4))
-
-
-@pytest.mark.slow
 def test_three_d_on_eight_ranks_matches_single_and_resumes_in_one_process(reference, tmp_path):
     options = {"pipeline_degree": 2, "shard_degree": 2, "tensor_degree": 2,
                "pipeline": {"schedule": "gpipe", "num_microbatches": 2}}
@@ -159,16 +146,3 @@ def test_three_d_on_eight_ranks_matches_single_and_resumes_in_one_process(refere
         assert torch.equal(model.state_dict()[name], value), name
     assert resumed.global_step == STEPS and len(optimizer.state) == len(reference["params"])
     resumed.close()
-
-
-@pytest.mark.slow
-def test_pipeline_x_hsdp_on_eight_ranks_matches_single(reference):
-    # Two data axes inside a pipeline: stages sharded over 2 ranks, replicated twice.
-    options = {"pipeline_degree": 2, "replicate_degree": 2, "shard_degree": 2,
-               "pipeline": {"schedule": "1f1b", "num_microbatches": 2}}
-    results = spawn(worker, 8, options, timeout=420)
-    for result in results:
-        assert_matches(result, reference)
-        assert result["meshes"] == {("replicate", "shard")}
-    assert sorted(r["data_parallel"] for r in results) == sorted(
-        (4, rank % 4) for rank in range(8))

@@ -34,14 +34,17 @@ def preset(name: str, options: dict[str, Any], *, local_world_size: int) -> Para
     if name == "tp":
         return Parallel(tp=-1)
     if name == "fsdp_tp":
-        return Parallel(tp=int(options.get("tensor_degree", 2)), dp_shard=-1)
+        return Parallel(tp=int(options.get("tensor_degree", 2)), dp_shard=-1,
+                        dp_replicate=int(options.get("replicate_degree", 1)))
     if name == "pipeline":
         return Parallel(pp=-1)
     if name == "hybrid":
+        from paratrain.strategies.hybrid import default_shard_degree
+
         pipeline = int(options.get("pipeline_degree", 1))
         shard = options.get("shard_degree")
         if shard is None:
-            shard = 1 if pipeline > 1 else local_world_size
+            shard = default_shard_degree(pipeline, local_world_size)
         replicate = options.get("replicate_degree")
         return Parallel(pp=pipeline, dp_shard=int(shard), tp=int(options.get("tensor_degree", 1)),
                         dp_replicate=-1 if replicate is None else int(replicate))
@@ -65,9 +68,9 @@ def choose(degrees: ParallelDegrees, parallel: Parallel) -> tuple[str, dict[str,
                                      replicate_degree=replicate, tensor_degree=tp,
                                      pipeline=pipeline, fsdp=sharding, tensor=tensor)
     if tp > 1:
-        if replicate > 1:
-            raise ValueError(f"layout {describe(degrees)}: dp_replicate x tp without a pipeline "
-                             "is not built yet; use dp_shard instead of dp_replicate "
+        if replicate > 1 and shard == 1:
+            raise ValueError(f"layout {describe(degrees)}: dp_replicate x tp needs dp_shard > 1 "
+                             "(HSDP x TP) or a pipeline; use dp_shard instead of dp_replicate "
                              f"(dp_shard={replicate * shard},tp={tp})")
         if tp == world:
             return "tp", tensor
@@ -75,7 +78,8 @@ def choose(degrees: ParallelDegrees, parallel: Parallel) -> tuple[str, dict[str,
         if extra:
             raise ValueError(f"layout {describe(degrees)}: Sharding({extra[0]}=...) is not "
                              "available with tp yet; only reshard_after_forward is")
-        return "fsdp_tp", {"tensor_degree": tp, **tensor, **sharding}
+        replicas = {"replicate_degree": replicate} if replicate > 1 else {}
+        return "fsdp_tp", {"tensor_degree": tp, **replicas, **tensor, **sharding}
     if shard > 1 and replicate > 1:
         return "hybrid", _drop_empty(shard_degree=shard, replicate_degree=replicate,
                                      fsdp=sharding)

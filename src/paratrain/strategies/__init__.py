@@ -9,6 +9,7 @@ from typing import Any
 from paratrain.distributed.topology import Topology
 from paratrain.fieldtypes import check_types
 from paratrain.strategies.base import Strategy
+from paratrain.strategies.compose import LayoutPreset
 from paratrain.strategies.table import strategy_entry, strategy_names
 
 
@@ -17,7 +18,7 @@ def available_strategies() -> list[str]:
     return sorted(strategy_names())
 
 
-def strategy_class(name: str) -> type[Strategy]:
+def strategy_class(name: str) -> type[Strategy] | LayoutPreset:
     """The class registered under ``name``; ValueError naming the choices otherwise.
 
     The class's module is imported only now (see :mod:`paratrain.strategies.table`).

@@ -20,6 +20,7 @@ from torch import nn
 from paratrain.distributed._compat import all_gather_single
 from paratrain.distributed.dtensor import whole
 from paratrain.distributed.topology import Topology
+from paratrain.strategies.clipping import clip_grad_norm
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -42,8 +43,11 @@ class Strategy:
 
     name: ClassVar[str] = "base"
     Options: ClassVar[type] = NoOptions
-    CONFIGURATION: ClassVar[tuple[str, ...]] = ("name", "Options", "CONFIGURATION")
+    CONFIGURATION: ClassVar[tuple[str, ...]] = ("name", "Options", "CONFIGURATION",
+                                                "layout_line")
     """Class-level settings: not members a strategy implements."""
+    layout_line: str | None = None
+    """The degrees a preset built this strategy for, printed at start (see ``notice``)."""
 
     def __init__(self, topology: Topology, options: Any = None, *,
                  timeout_s: float = 300.0) -> None:
@@ -55,7 +59,7 @@ class Strategy:
 
     def notice(self) -> str | None:
         """One line the run prints at start (e.g. a fallback to ``single``), or None."""
-        return None
+        return self.layout_line
 
     # -- data-parallel layout: which shard of the data this rank reads --------
     @property
@@ -103,8 +107,9 @@ class Strategy:
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """Clip by the global L2 norm of all gradients; gradients are already synchronised."""
-        return nn.utils.clip_grad_norm_(self.unwrap(model).parameters(), max_norm)
+        """Clip by the global L2 norm of all gradients (synchronised already) over any
+        mesh (:func:`~paratrain.strategies.clipping.clip_grad_norm`); return that norm."""
+        return clip_grad_norm(self.unwrap(model).parameters(), max_norm)
 
     # -- one-file checkpoints (every strategy loads them; replicated ones write them) --
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:

@@ -183,13 +183,3 @@ def require_compile(strategy: Strategy) -> Compiles:
         raise ValueError(f"compile is not supported with strategy {strategy.name!r}; "
                          "use compile=False or one of single, ddp, fsdp, hybrid")
     return strategy
-
-
-def contract_members(cls: type) -> set[str]:
-    """The public members ``cls`` must provide: the core's and its capabilities'."""
-    from paratrain.strategies.base import Strategy
-
-    owners = [Strategy, *(c for c in CAPABILITIES if issubclass(cls, c))]
-    return {name for owner in owners for name in vars(owner)
-            if not name.startswith("_") and name not in Strategy.CONFIGURATION}
-

@@ -1,56 +1,55 @@
-"""Build a strategy from others: forward chosen contract members to an inner strategy.
+"""A named layout that is not a strategy of its own: a preset that builds one.
 
-A composite (``hybrid``) lists every contract member it does not implement itself
-and forwards exactly those, so that no member silently falls back to the base
-class's single-process default.
+``hybrid`` names layouts (pipeline x data parallel, HSDP) that the ``pipeline`` and
+``fsdp`` strategies already run when given their degrees. Rather than a composite that
+forwards every contract member to an inner strategy, its table entry is a
+:class:`LayoutPreset`: it validates the preset's options, turns them into degrees and
+returns the strategy that runs those degrees, so there is one implementation of each
+layout and nothing to forward.
 """
 
 from __future__ import annotations
 
-import abc
-import inspect
-import operator
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-T = TypeVar("T", bound=type)
+from paratrain.distributed.mesh import ParallelDegrees
+from paratrain.distributed.topology import Topology
+
+__all__ = ["LayoutPreset"]
 
 
-def delegate(attribute: str, members: Iterable[str]) -> Callable[[T], T]:
-    """Class decorator: each of ``members`` forwards to ``self.<attribute>``.
+@dataclass(frozen=True, kw_only=True)
+class LayoutPreset:
+    """A strategy name whose options resolve to degrees run by another strategy.
 
-    Properties stay properties; methods keep their name and gain a docstring that
-    says where they go.
+    Called like a strategy class, ``preset(topology, options, timeout_s=...)``, it returns
+    that other strategy, named after the preset and announcing its degrees.
 
     Example:
-        >>> @delegate("inner", ["setup_model", "data_parallel_size"])  # doctest: +SKIP
-        ... class Composite(Strategy): ...
+        >>> from paratrain.strategies.hybrid import HYBRID       # doctest: +SKIP
+        >>> HYBRID(topology, HYBRID.Options(pipeline_degree=2)).name
+        'hybrid'
     """
-    members = tuple(members)
 
-    def decorate(cls: T) -> T:
-        for name in members:
-            if name in vars(cls):
-                raise TypeError(f"{cls.__name__}.{name} is implemented and also delegated")
-            declared = inspect.getattr_static(cls, name)
-            target = operator.attrgetter(f"{attribute}.{name}")
-            if isinstance(declared, property):
-                forward: Any = property(target, doc=f"``self.{attribute}.{name}``.")
-            else:
-                forward = _method(target, name, f"``self.{attribute}.{name}(...)``.")
-                forward.__qualname__ = f"{cls.__qualname__}.{name}"
-            setattr(cls, name, forward)
-        # The forwards implement abstract capability methods declared before them.
-        abc.update_abstractmethods(cls)
-        return cls
+    name: str
+    """What ``Run(strategy=...)`` calls it."""
 
-    return decorate
+    Options: type
+    """Its options dataclass (validated on construction)."""
 
+    build: Callable[[Topology, Any, float], tuple[Any, ParallelDegrees]]
+    """``(topology, options, timeout_s) -> (strategy, degrees)``."""
 
-def _method(target: Callable[[Any], Any], name: str, doc: str) -> Callable[..., Any]:
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return target(self)(*args, **kwargs)
-
-    forward.__name__ = name
-    forward.__doc__ = doc
-    return forward
+    def __call__(self, topology: Topology, options: Any = None, *,
+                 timeout_s: float = 300.0) -> Any:
+        strategy, degrees = self.build(topology, options if options is not None
+                                       else self.Options(), timeout_s)
+        # The run, its checkpoints and its messages know the layout by the name asked for.
+        strategy.name = self.name
+        strategy.layout_line = (
+            f"strategy {self.name!r}: pipeline {degrees.pipeline_degree} x replicate "
+            f"{degrees.replicate_degree} x shard {degrees.shard_degree} x tensor "
+            f"{degrees.tensor_degree}")
+        return strategy

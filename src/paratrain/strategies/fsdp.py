@@ -17,12 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from paratrain.checkpoint.sharded import parameter_names
 from paratrain.compile import compile_forward
-from paratrain.distributed.dtensor import whole
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.base import Strategy
@@ -128,7 +126,7 @@ class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation
 
     def notice(self) -> str | None:
         if self.active:
-            return None
+            return super().notice()
         return f"strategy {self.name!r} in one process: nothing to shard, running as 'single'"
 
     def configure_precision(self, precision: Any) -> None:
@@ -175,7 +173,3 @@ class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation
         self._remember(model, names)
         return model
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        norm = nn.utils.clip_grad_norm_(list(model.parameters()), max_norm)
-        # The norm of sharded gradients is a DTensor; callers want a plain number.
-        return whole(norm)

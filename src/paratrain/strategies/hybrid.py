@@ -12,29 +12,19 @@ The degrees choose the layout (outermost axis first, see the mesh):
   the all-gathers stay inside a node and only gradient all-reduces cross nodes.
 
 The degrees are validated once, against the world size, with an error that
-names the bad degree. The work is done by :class:`PipelineStrategy` or
-:class:`FSDPStrategy` on the mesh; this class only builds the layout and
-delegates every other member of the contract to that strategy (see
-:func:`~paratrain.strategies.compose.delegate`).
+names the bad degree. ``hybrid`` is a :class:`~paratrain.strategies.compose.LayoutPreset`:
+it returns the :class:`PipelineStrategy` or :class:`FSDPStrategy` that runs the degrees,
+so each layout has one implementation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from paratrain.distributed.mesh import ParallelDegrees
 from paratrain.distributed.topology import Topology
-from paratrain.strategies.base import Strategy
-from paratrain.strategies.capabilities import (
-    Compiles,
-    LockstepEvaluation,
-    PrecisionPolicy,
-    ShardedState,
-    evaluation_batches,
-)
-from paratrain.strategies.compose import delegate
+from paratrain.strategies.compose import LayoutPreset
 from paratrain.strategies.fsdp import FSDPOptions, FSDPStrategy
 from paratrain.strategies.pipeline.strategy import PipelineOptions, PipelineStrategy
 from paratrain.strategies.tensor.strategy import TPOptions
@@ -84,60 +74,31 @@ class HybridOptions:
         """The validated layout for ``topology``."""
         shard = self.shard_degree
         if shard is None:
-            shard = 1 if self.pipeline_degree > 1 else topology.local_world_size
+            shard = default_shard_degree(self.pipeline_degree, topology.local_world_size)
         return ParallelDegrees.infer(world_size=topology.world_size,
                                      pipeline_degree=self.pipeline_degree,
                                      shard_degree=shard, replicate_degree=self.replicate_degree,
                                      tensor_degree=self.tensor_degree)
 
 
-DELEGATED = (
-    # core
-    "data_parallel_rank", "data_parallel_size", "data_parallel_group", "random_stream_rank",
-    "setup_model", "setup_optimizer", "unwrap", "backward", "optimizer_step", "no_sync",
-    "clip_grad_norm", "model_state_dict", "load_model_state_dict", "optimizer_state_dict",
-    "load_optimizer_state_dict", "all_reduce", "all_gather", "agree_flags", "barrier",
-    "gather_rng_states", "teardown",
-    # ShardedState
-    "checkpoint_module", "partial_model", "save_sharded_state", "start_sharded_save",
-    "load_sharded_state", "full_state_dict",
-    # PrecisionPolicy
-    "configure_precision",
-    # Compiles
-    "configure_compile", "cuda_graphs_blocker",
-)
+def default_shard_degree(pipeline_degree: int, local_world_size: int) -> int:
+    """``hybrid``'s shard degree when none is given: a node's processes (HSDP) without a
+    pipeline, 1 with one (the stages already split the model)."""
+    return 1 if pipeline_degree > 1 else local_world_size
 
 
-# Both inner strategies shard state and have a precision policy; whether evaluation
-# runs in lockstep depends on the layout, so hybrid's evaluation_batches asks its inner
-# strategy.
-@delegate("inner", DELEGATED)
-class HybridStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation, Compiles):
-    """Pipeline x data parallel (x FSDP, x TP), or sharded within a node x replicated
-    across nodes."""
+def _build(topology: Topology, options: HybridOptions,
+           timeout_s: float) -> tuple[PipelineStrategy | FSDPStrategy, ParallelDegrees]:
+    degrees = options.degrees(topology)
+    if degrees.pipeline_degree > 1:
+        return PipelineStrategy(topology, PipelineOptions(**options.pipeline),
+                                timeout_s=timeout_s, degrees=degrees,
+                                fsdp=FSDPOptions(**options.fsdp),
+                                tp=TPOptions(**options.tensor)), degrees
+    return FSDPStrategy(topology, FSDPOptions(**options.fsdp), timeout_s=timeout_s,
+                        degrees=degrees), degrees
 
-    name = "hybrid"
-    Options = HybridOptions
 
-    def __init__(self, topology: Topology, options: Any = None, *,
-                 timeout_s: float = 300.0) -> None:
-        super().__init__(topology, options, timeout_s=timeout_s)
-        degrees = self.options.degrees(topology)
-        inner: PipelineStrategy | FSDPStrategy
-        if degrees.pipeline_degree > 1:
-            inner = PipelineStrategy(topology, PipelineOptions(**self.options.pipeline),
-                                     timeout_s=timeout_s, degrees=degrees,
-                                     fsdp=FSDPOptions(**self.options.fsdp),
-                                     tp=TPOptions(**self.options.tensor))
-        else:
-            inner = FSDPStrategy(topology, FSDPOptions(**self.options.fsdp),
-                                 timeout_s=timeout_s, degrees=degrees)
-        self.inner = inner
-
-    def notice(self) -> str | None:
-        d = self.inner.mesh.degrees
-        return (f"strategy 'hybrid': pipeline {d.pipeline_degree} x replicate "
-                f"{d.replicate_degree} x shard {d.shard_degree} x tensor {d.tensor_degree}")
-
-    def evaluation_batches(self, batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-        return evaluation_batches(self.inner, batches)
+HYBRID = LayoutPreset(name="hybrid", Options=HybridOptions, build=_build)
+"""Pipeline x data parallel (x FSDP, x TP), or sharded within a node x replicated across
+nodes: the strategy that runs those degrees, named ``hybrid``."""

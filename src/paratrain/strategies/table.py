@@ -41,7 +41,8 @@ class StrategyEntry:
     """What ``Run(strategy=...)``, ``--strategies`` and the planner's rows call it."""
 
     target: str
-    """``module:Class`` of the runtime strategy."""
+    """``module:Class`` of the runtime strategy, or ``module:PRESET`` of a
+    :class:`~paratrain.strategies.compose.LayoutPreset` that builds one."""
 
     cost_model: str = ""
     """``module:attribute`` of its :class:`~paratrain.plan.costs.CostModel`; empty only
@@ -104,7 +105,7 @@ STRATEGY_TABLE: tuple[StrategyEntry, ...] = (
                   cost_model=f"{_COSTS}:FSDP", gpu_bench_precisions=("32",)),
     StrategyEntry(name="pipeline", target=f"{_RUNTIME}.pipeline.strategy:PipelineStrategy",
                   cost_model=f"{_COSTS}:PIPELINE"),
-    StrategyEntry(name="hybrid", target=f"{_RUNTIME}.hybrid:HybridStrategy",
+    StrategyEntry(name="hybrid", target=f"{_RUNTIME}.hybrid:HYBRID",
                   cost_model=f"{_COSTS}:HYBRID"),
     StrategyEntry(name="tp", target=f"{_RUNTIME}.tensor.strategy:TPStrategy",
                   cost_model=f"{_COSTS}:TP"),

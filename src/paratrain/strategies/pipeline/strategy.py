@@ -53,11 +53,12 @@ from paratrain.strategies.capabilities import (
     PrecisionPolicy,
     ShardedState,
 )
+from paratrain.strategies.clipping import clip_grad_norm
 from paratrain.strategies.dtensor_params import mixed_precision_policy, whole_model_state
 from paratrain.strategies.fsdp import FSDPOptions
 from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
-from paratrain.strategies.pipeline.split_stages import SplitStages, check_split_options
+from paratrain.strategies.pipeline.split_stages import check_split_options, split_stage
 from paratrain.strategies.tensor.strategy import TPOptions
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -115,7 +116,7 @@ class PipelineOptions:
         return self.stages_per_rank or (2 if self.schedule == "interleaved_1f1b" else 1)
 
 
-class PipelineStrategy(SplitStages, Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation,
+class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluation,
                        Compiles):
     """Split the model into stages over the ranks; micro-batches flow through them.
 
@@ -155,7 +156,7 @@ class PipelineStrategy(SplitStages, Strategy, ShardedState, PrecisionPolicy, Loc
 
     def notice(self) -> str | None:
         if self.active:
-            return None
+            return super().notice()
         return "strategy 'pipeline' with one stage: nothing to split, running unpipelined"
 
     def configure_precision(self, precision: Any) -> None:
@@ -192,7 +193,8 @@ class PipelineStrategy(SplitStages, Strategy, ShardedState, PrecisionPolicy, Loc
         if self.active:
             stages = self.mesh.degrees.pipeline_degree
             parts = self._stage(model, stages)
-            self._split_stage(parts.whole)
+            split_stage(parts.whole, self.mesh, sharding=self.fsdp_options, tp=self.tp_options,
+                        mp_policy=self._mp_policy)
             if self.data_parallel_size > 1:
                 self.mesh.data_parallel_group  # noqa: B018  (collective: built now, by all)
             model = PipelineModule(parts.whole, chunks=parts.chunks,
@@ -336,20 +338,10 @@ class PipelineStrategy(SplitStages, Strategy, ShardedState, PrecisionPolicy, Loc
         yield from ((batch, True) for batch in batches)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        if self.dtensor_stages:
-            return self._clip_dtensor_grads(model, max_norm)
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float64, device=self.topology.device)
-        for grad in grads:
-            squares += grad.double().pow(2).sum()
-        if self.active:
-            # The global norm covers every stage's gradients.
-            dist.all_reduce(squares, group=self.mesh.group("pipeline"))
-        norm = squares.sqrt().float()
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(coef.to(grad.dtype))
-        return norm
+        # The global norm covers every stage's gradients.
+        return clip_grad_norm(model.parameters(), max_norm,
+                              across=self.mesh.group("pipeline") if self.active else None,
+                              device=self.topology.device)
 
     def teardown(self) -> None:
         # The stage's parameters must not outlive the process group (its schedule holds it).

@@ -107,9 +107,14 @@ class FSDPTPOptions(TPOptions):
     reshard_after_forward: bool = True
     """As ``FSDPOptions.reshard_after_forward``."""
 
+    replicate_degree: int = 1
+    """Copies of the sharded model (HSDP x TP: ``replicate x shard x tensor``); the shard
+    degree is what is left of the world."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        ParallelDegrees(tensor_degree=self.tensor_degree)  # the field's own message
+        # The fields' own messages.
+        ParallelDegrees(tensor_degree=self.tensor_degree, replicate_degree=self.replicate_degree)
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError("reshard_after_forward must be True or False, got "
                              f"{self.reshard_after_forward!r}")
@@ -118,9 +123,15 @@ class FSDPTPOptions(TPOptions):
         """``shard x tensor``, the shard degree filling the world."""
         if not topology.is_distributed:
             return ParallelDegrees()  # one process runs as 'single' (see notice)
-        return ParallelDegrees.infer(world_size=topology.world_size, pipeline_degree=1,
-                                     replicate_degree=1, shard_degree=None,
-                                     tensor_degree=self.tensor_degree)
+        degrees = ParallelDegrees.infer(world_size=topology.world_size, pipeline_degree=1,
+                                        replicate_degree=self.replicate_degree,
+                                        shard_degree=None, tensor_degree=self.tensor_degree)
+        if degrees.replicate_degree > 1 and degrees.shard_degree == 1:
+            raise ValueError(f"replicate_degree={self.replicate_degree} x tensor_degree="
+                             f"{self.tensor_degree} leaves no shard degree on "
+                             f"{topology.world_size} processes; tensor parallel with "
+                             "replicas needs dp_shard > 1 (HSDP x TP) or a pipeline")
+        return degrees
 
     def sharding(self) -> FSDPOptions:
         return FSDPOptions(reshard_after_forward=self.reshard_after_forward)
@@ -174,41 +185,6 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, *, plan: dict[str, str] |
     return d.tensor_degree > 1 and output_layer is not None
 
 
-def global_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """The L2 norm of all gradients, whole, whatever mesh each DTensor gradient lies on.
-
-    Gradients are grouped by mesh and placement so that each group's squares are reduced
-    once, not once per parameter.
-    """
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            key = (getattr(p.grad, "device_mesh", None), getattr(p.grad, "placements", None))
-            groups.setdefault(key, []).append(p.grad)
-    if not groups:
-        return torch.zeros(())
-    squares = [_sum_of_squares(grads, mesh, placements)
-               for (mesh, placements), grads in groups.items()]
-    return torch.stack(squares).sum().sqrt()
-
-
-def _sum_of_squares(grads: list[torch.Tensor], mesh: Any, placements: Any) -> torch.Tensor:
-    # Local sums, then one all-reduce per sharded mesh dimension: what DTensor's norm does,
-    # without its advice (a warning on every rank) to flatten a 2-D mesh for one scalar.
-    if mesh is None:
-        return nn.utils.get_total_norm(grads) ** 2
-    if any(p.is_partial() for p in placements):
-        raise RuntimeError("gradients with pending sums (Partial); call complete_gradients "
-                           "before taking their norm")
-    local = nn.utils.get_total_norm([g.to_local() for g in grads]) ** 2
-    for dim, placement in enumerate(placements):
-        # What is not replicated is sharded (FSDP over TP shards dim 0 "strided", which is
-        # not is_shard()).
-        if not placement.is_replicate():
-            dist.all_reduce(local, group=mesh.get_group(dim))
-    return local
-
-
 def complete_gradients(params: Iterable[nn.Parameter]) -> None:
     """Sum pending (``Partial``) DTensor gradients over their mesh, once, in place.
 
@@ -222,16 +198,6 @@ def complete_gradients(params: Iterable[nn.Parameter]) -> None:
         if any(x.is_partial() for x in placements):
             whole_sum = tuple(Replicate() if x.is_partial() else x for x in placements)
             p.grad = p.grad.redistribute(p.grad.device_mesh, whole_sum)
-
-
-def scale_gradients(params: Iterable[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
-    """Clip ``params``' gradients to ``max_norm`` given their global ``norm``.
-
-    A plain 0-dim coefficient scales DTensor and plain gradients alike, with no host sync.
-    """
-    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coefficient)
 
 
 class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
@@ -274,7 +240,7 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         if self.data_parallel_size == 1 or not self.active:
             return None
-        return self.mesh.group("shard")
+        return self.mesh.data_parallel_group
 
     def configure_precision(self, precision: Any) -> None:
         self._mp_policy = mixed_precision_policy(precision, refuse_fp16="with tensor parallel")
@@ -315,12 +281,9 @@ class TPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
         optimizer.step()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        params = [p for p in model.parameters() if p.grad is not None]
         if self.options.sequence_parallel:
-            complete_gradients(params)
-        total = global_grad_norm(params)
-        scale_gradients(params, total, max_norm)
-        return total
+            complete_gradients(model.parameters())
+        return super().clip_grad_norm(model, max_norm)
 
     def teardown(self) -> None:
         self._loss_context.close()
@@ -338,4 +301,6 @@ class FSDPTPStrategy(TPStrategy):
         if not self.active:
             return super().notice()
         d = self.mesh.degrees
-        return f"strategy 'fsdp_tp': shard {d.shard_degree} x tensor {d.tensor_degree}"
+        replicas = f"replicate {d.replicate_degree} x " if d.replicate_degree > 1 else ""
+        return (f"strategy 'fsdp_tp': {replicas}shard {d.shard_degree} x tensor "
+                f"{d.tensor_degree}")

@@ -1,0 +1,117 @@
+"""The contract over a grid of degree combinations: ``Run(parallel=...)`` on 2, 4 and 8
+gloo ranks trains paratrain's GPT (AdamW, global-norm clipping, evaluation) as one
+process does, within the bounds of float32 and Adam arithmetic.
+
+Each spawn runs its layouts one after another in the same processes (a later ``Run``
+forms its own groups), so the grid costs three process starts, not one per layout.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+import paratrain
+from paratrain.distributed.spawn import spawn
+from paratrain.models import GPT
+from paratrain.strategies.capabilities import ShardedState
+from paratrain.testing.numerics import (
+    REASSOCIATION,
+    TrainingBound,
+    assert_losses_within,
+    assert_params_within,
+)
+
+VOCAB, BLOCK, STEPS, GLOBAL_BATCH = 16, 8, 3, 8
+
+SHARD, TENSOR, HSDP = ("shard",), ("tensor",), ("replicate", "shard")
+
+#: world size -> layouts (degrees not given are 1): the strategy each must run and the
+#: mesh axes its parameters are DTensors over (None: not checked).
+GRID = {
+    2: [("dp_replicate=2", "ddp", set()), ("dp_shard=2", "fsdp", {SHARD}),
+        ("tp=2", "tp", None), ("pp=2", "pipeline", set())],
+    4: [("dp_replicate=2,dp_shard=2", "hybrid", {HSDP}),
+        ("dp_shard=2,tp=2", "fsdp_tp", {("shard", "tensor"), SHARD}),
+        ("pp=2,dp_replicate=2", "hybrid", set()), ("pp=2,dp_shard=2", "hybrid", {SHARD}),
+        ("pp=2,tp=2", "hybrid", {TENSOR})],
+    8: [("dp_replicate=2,dp_shard=2,tp=2", "fsdp_tp",
+         {("replicate", "shard", "tensor"), HSDP}),
+        ("pp=2,dp_shard=2,tp=2", "hybrid", {("shard", "tensor"), SHARD}),
+        ("pp=2,dp_replicate=2,dp_shard=2", "hybrid", {HSDP})],
+}
+
+
+def tokens(n=48):
+    generator = torch.Generator().manual_seed(7)
+    data = torch.randint(VOCAB, (n, BLOCK + 1), generator=generator)
+    return TensorDataset(data[:, :-1], data[:, 1:])
+
+
+def train(spec):
+    parallel = None
+    if spec is not None:
+        parallel = dataclasses.replace(paratrain.Parallel.parse(spec),
+                                       pipeline=paratrain.Pipeline(microbatches=2)
+                                       if "pp" in spec else None)
+    run = paratrain.Run(parallel=parallel, strategy="auto" if spec else "single",
+                        progress=False, accelerator="cpu", seed=5, max_grad_norm=0.5)
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=4, n_head=4, n_embd=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bound = TrainingBound(model, optimizer) if spec is None else None
+    model, optimizer = run.prepare(model, optimizer)
+    strategy = run.strategy
+    loader = run.loader(tokens(), batch_size=GLOBAL_BATCH // strategy.data_parallel_size)
+    losses = []
+    for _, (x, y) in zip(range(STEPS), loader):
+        loss = F.cross_entropy(model(x).transpose(1, 2), y)
+        run.backward(loss)
+        run.step(optimizer)
+        losses.append(run.mean(loss))
+    evaluation = run.evaluate(model, run.eval_loader(tokens(13), batch_size=4),
+                              loss_fn=lambda out, y: F.cross_entropy(out.transpose(1, 2), y,
+                                                                     reduction="sum"))
+    meshes = {tuple(p.device_mesh.mesh_dim_names) for p in model.parameters()
+              if hasattr(p, "device_mesh")}
+    state = (strategy.full_state_dict(model) if isinstance(strategy, ShardedState)
+             else strategy.unwrap(model).state_dict())
+    result = {"strategy": strategy.name, "meshes": meshes, "losses": losses, "evaluation": evaluation,
+              "params": {k: v.detach().clone() for k, v in state.items()}, "bound": bound,
+              "data_parallel": (strategy.data_parallel_size, strategy.data_parallel_rank)}
+    run.close()
+    return result
+
+
+def grid_worker(rank, world_size, layouts):
+    return {spec: train(spec) for spec, _, _ in layouts}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", sorted(GRID))
+def test_degree_grid_matches_one_process(reference, world_size):
+    layouts = GRID[world_size]
+    results = spawn(grid_worker, world_size, layouts, timeout=600)
+    for spec, strategy, axes in layouts:
+        replicas = set()
+        for rank_results in results:
+            result = rank_results[spec]
+            assert result["strategy"] == strategy, spec
+            assert axes is None or result["meshes"] == axes, (spec, result["meshes"])
+            assert_losses_within(result["losses"], reference["losses"])
+            assert result["evaluation"]["count"] == reference["evaluation"]["count"], spec
+            assert result["evaluation"]["loss"] == pytest.approx(
+                reference["evaluation"]["loss"], rel=REASSOCIATION), spec
+            assert result["params"].keys() == reference["params"].keys(), spec
+            assert_params_within(result["params"], reference["params"], reference["bound"])
+            replicas.add(result["data_parallel"])
+        # Every data-parallel rank is read by someone: the ranks cover the whole batch.
+        sizes = {size for size, _ in replicas}
+        assert len(sizes) == 1 and {r for _, r in replicas} == set(range(sizes.pop())), spec
