@@ -44,7 +44,8 @@ def clean_environment(monkeypatch, request):
     saved = dict(os.environ)
     for name in _LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
-    for name in [n for n in os.environ if n.startswith("PARATRAIN_")]:
+    # SLURM_*: the suite run inside a Slurm job must not configure its launches from it.
+    for name in [n for n in os.environ if n.startswith(("PARATRAIN_", "SLURM_"))]:
         monkeypatch.delenv(name, raising=False)
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setenv("PARATRAIN_ACCELERATOR", "cpu")

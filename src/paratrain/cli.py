@@ -9,6 +9,8 @@ from collections.abc import Sequence
 # subcommand -> ("module:function", one-line help); imported only when used.
 COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("paratrain.launch:main", "start a script on one or many nodes (torchrun flags)"),
+    "slurm": ("paratrain.launch.sbatch:main",
+              "write (--submit: submit) an sbatch script that launches, checkpoints, requeues"),
     "demo": ("paratrain.demo:main", "train a ConvNet on Fashion-MNIST with 2 workers"),
     "plan": ("paratrain.plan.cli:main", "predict step time and memory of each strategy at scale"),
     "verify": ("paratrain.verify.cli:main",

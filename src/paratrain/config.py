@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from paratrain.fieldtypes import check_types
+from paratrain.trackers.base import Tracker, check_loggers
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 NAN_POLICIES = ("stop", "skip", "warn")
@@ -94,6 +95,13 @@ class RunConfig:
     tensorboard_dir: str | os.PathLike | None = None
     """Also write metrics to TensorBoard event files here (needs tensorboard)."""
 
+    loggers: tuple[str | Tracker, ...] | list[str | Tracker] = ()
+    """Experiment trackers rank 0 logs to: ``"mlflow"``, ``"wandb"``, ``"tensorboard"`` or
+    :class:`paratrain.trackers.Tracker` instances (``MLflowTracker(tracking_uri=...)``).
+    They get the configuration and layout, ``run.log`` rows and epoch statistics with the
+    step; a resumed run continues the same tracker run; a failing tracker warns once and
+    training goes on. Needs ``pip install 'paratrain[trackers]'``; see docs/trackers.md."""
+
     tokens_per_sample: int | None = None
     """Tokens in one sample (e.g. the sequence length): adds tokens/s to the bar,
     the epoch stats and the metrics log."""
@@ -127,12 +135,18 @@ class RunConfig:
         # Types first, one line each: the checks below assume them. precision,
         # accelerator and compile keep their own message, which lists the choices.
         check_types(RunConfig, {f.name: getattr(self, f.name) for f in fields(self)
-                                if f.name not in ("precision", "accelerator", "compile")},
+                                if f.name not in ("precision", "accelerator", "compile",
+                                                  "loggers")},
                     infinite_ok=("max_grad_norm",))  # inf: measure the norm, never clip
         for name in ("checkpoint_dir", "metrics_path", "tensorboard_dir"):
             if getattr(self, name) is not None:  # a pathlib.Path is a str from here on
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
         CompileOptions.from_config(self.compile)
+        if not isinstance(self.loggers, (tuple, list)):
+            raise ValueError(f"loggers must be a list of tracker names or Tracker objects, "
+                             f"e.g. ['mlflow'], got {self.loggers!r}")
+        check_loggers(self.loggers)
+        object.__setattr__(self, "loggers", tuple(self.loggers))
         if not isinstance(self.strategy, str) or not self.strategy:
             raise ValueError(f"strategy must be a strategy name, got {self.strategy!r}")
         if self.parallel is not None:

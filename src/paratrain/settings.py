@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -36,6 +37,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
                      "optimizer steps between cross-rank consistency checks (default 50, 0 off)"),
     "term_grace_s": ("PARATRAIN_TERM_GRACE_S",
                      "seconds the ranks have to agree on a SIGTERM/SIGINT stop (default 10)"),
+    "requeue_signal": ("PARATRAIN_REQUEUE_SIGNAL",
+                       "signal that saves, requeues the Slurm job and exits 0 (default `USR1`; "
+                       "`0` off)"),
     "show_traceback": ("PARATRAIN_TRACEBACK",
                        "`1`: print the whole traceback instead of the one-line error"),
     "launched": ("PARATRAIN_LAUNCHED", "set to `1` by `paratrain launch` in its workers"),
@@ -79,6 +83,7 @@ class Settings:
     collective_warn_s: float = DEFAULT_COLLECTIVE_WARN_S
     health_every: int = DEFAULT_HEALTH_EVERY
     term_grace_s: float = DEFAULT_TERM_GRACE_S
+    requeue_signal: int | None = signal.SIGUSR1
     show_traceback: bool = False
     launched: bool = False
     ps_servers: int | None = None
@@ -90,6 +95,8 @@ class Settings:
     straggler: Straggler | None = None
     restart_count: int = 0
     """``TORCHELASTIC_RESTART_COUNT``: injected faults fire on the first attempt only."""
+    slurm_job_id: str | None = None
+    """``SLURM_JOB_ID``: the job rank 0 requeues on the requeue signal (None outside Slurm)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -112,6 +119,7 @@ class Settings:
             health_every=_count(env, VARIABLES["health_every"][0], DEFAULT_HEALTH_EVERY,
                                 "(0 disables)"),
             term_grace_s=_grace(env),
+            requeue_signal=_signal(env, VARIABLES["requeue_signal"][0]),
             show_traceback=raw("show_traceback") not in ("", "0"),
             launched=raw("launched") == "1",
             ps_servers=_ps_servers(env),
@@ -122,6 +130,7 @@ class Settings:
             term_at_step=_int(env, VARIABLES["term_at_step"][0]),
             straggler=_straggler(raw("straggler")),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
         )
 
 
@@ -173,6 +182,22 @@ def _warn_seconds(env: Mapping[str, str]) -> float:
 def _grace(env: Mapping[str, str]) -> float:
     value = _seconds(env, VARIABLES["term_grace_s"][0])
     return DEFAULT_TERM_GRACE_S if value is None else value
+
+
+def _signal(env: Mapping[str, str], name: str) -> int | None:
+    """A signal by name (``USR1``, ``SIGUSR1``) or number; None for ``0``; default SIGUSR1."""
+    raw = env.get(name, "").strip()
+    if raw in ("", "USR1", "SIGUSR1"):
+        return signal.SIGUSR1
+    if raw in ("0", "off", "none"):
+        return None
+    key = raw.upper() if raw.upper().startswith("SIG") else f"SIG{raw.upper()}"
+    found = int(raw) if raw.isdigit() else getattr(signal.Signals, key, None)
+    if found not in {int(s) for s in signal.Signals} or found in (
+            signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM, signal.SIGINT):
+        raise ValueError(f"{name}={raw!r} must name a catchable signal other than TERM/INT, "
+                         "e.g. USR1 or USR2 (0 turns it off)")
+    return int(found)
 
 
 def _count(env: Mapping[str, str], name: str, default: int, note: str) -> int:

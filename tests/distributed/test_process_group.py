@@ -1,4 +1,5 @@
-"""Process-group lifetime: a second ``Run`` in the same process forms a fresh group."""
+"""Process-group lifetime: a second ``Run`` in the same process forms a fresh group; a
+group made by someone else (a script, Ray Train) is reused only when it agrees."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from paratrain.distributed.process_group import init_process_group
 from paratrain.distributed.spawn import spawn
+from paratrain.distributed.topology import Topology
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -68,3 +71,31 @@ def test_a_second_run_under_the_launcher():
     for index, strategy in enumerate(["ddp", "fsdp", "ddp"]):
         for rank in (0, 1):
             assert out.stdout.count(f"run {index} {strategy} rank {rank} done") == 1, out.stdout
+
+
+def test_a_group_made_beforehand_is_reused_when_it_agrees(port):
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=0, world_size=1)
+    assert init_process_group(Topology(), timeout_s=10) is False  # reused, not created
+    assert torch.distributed.is_initialized()
+
+
+def test_a_group_made_beforehand_that_disagrees_is_one_line(port):
+    # A script that formed a 1-rank group by hand while the environment says 2 ranks would
+    # otherwise train unsynchronised; a gloo group under a CUDA run fails far from here.
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=0, world_size=1)
+    with pytest.raises(RuntimeError) as ranks:
+        init_process_group(Topology(rank=1, local_rank=1, world_size=2, local_world_size=2),
+                           timeout_s=10)
+    assert str(ranks.value) == (
+        "a process group already exists with this process as rank 0 of 1, but the "
+        "environment says rank 1 of 2; set RANK, WORLD_SIZE and LOCAL_RANK to match it "
+        "(torchrun, paratrain launch and Ray Train do)")
+    with pytest.raises(RuntimeError) as backend:
+        init_process_group(Topology(device=torch.device("cuda", 0), backend="nccl"),
+                           timeout_s=10)
+    assert str(backend.value) == (
+        "the process group that already exists uses gloo but this run computes on cuda with "
+        "nccl; make them agree (Ray Train: ScalingConfig(use_gpu=...) and "
+        "Run(accelerator=...))")

@@ -65,8 +65,8 @@ def test_stages_keep_full_names_and_together_equal_the_model():
     torch.testing.assert_close(last(first(x)), expected, rtol=0, atol=0)
     # Two stages per rank: chunks 0 and 2 of 4 share their parts with the rank's whole.
     torch.manual_seed(0)
-    whole, chunks = split_model(gpt(), layout_of(gpt()), num_stages=4, stage_indices=[0, 2],
-                                split_points=(1, 2, 3), device=torch.device("cpu"), agree=None)
+    whole, chunks, _ = split_model(gpt(), layout_of(gpt()), num_stages=4, stage_indices=[0, 2],
+                                   split_points=(1, 2, 3), device=torch.device("cpu"), agree=None)
     assert {n for n, _ in whole.named_parameters()} == {
         n for c in chunks for n, _ in c.named_parameters()}
     assert chunks[0].head is None and chunks[1].tok_emb is None and whole.head is None
@@ -126,13 +126,14 @@ def test_bad_layouts_are_refused_in_one_line():
         layout_of(Flat())
 
 
-def test_an_embedding_tied_to_the_head_on_another_stage_is_refused():
+def test_an_embedding_tied_to_the_head_on_another_stage_is_reported():
     model = gpt()
-    model.head.weight = model.tok_emb.weight  # weight tying, as GPT-2 does
-    with pytest.raises(ValueError, match="parameters 'tok_emb.weight' \\(stage 0\\) and "
-                                         "'head.weight' \\(stage 1\\) are tied"):
-        split_model(model, layout_of(model), num_stages=2, stage_indices=[1], split_points=(2,),
-                    device=torch.device("cpu"), agree=None)
+    model.head.weight = shared = model.tok_emb.weight  # weight tying, as GPT-2 does
+    parts = split_model(model, layout_of(model), num_stages=2, stage_indices=[1],
+                        split_points=(2,), device=torch.device("cpu"), agree=None)
+    # The strategy keeps the two copies equal (tests/strategies/test_pipeline_ties.py).
+    assert parts.ties == ((("tok_emb.weight", 0), ("head.weight", 1)),)
+    assert parts.whole.head.weight is shared and parts.whole.tok_emb is None
     # Blocks tied within one stage are fine.
     model = gpt()
     model.blocks[1].mlp.proj.weight = model.blocks[0].mlp.proj.weight

@@ -4,8 +4,9 @@ An adapter recognises a model by its structure and says what the parallelisms ne
 to know about it that names alone cannot tell: the tensor-parallel plan (which linear
 is split colwise, which rowwise), the attributes that count heads or hold widths the
 split divides, and, for layouts that have no meaning for the model, the one line that
-refuses them. The first adapter whose ``matches`` accepts the model is used; users
-register their own in front of the built-in ones.
+refuses them; for a pipeline, its parts and how one stage runs. The first adapter
+whose ``matches`` accepts the model is used; users register their own in front of the
+built-in ones.
 
 Example:
     >>> from paratrain.adapters import ModelAdapter, register_adapter
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -46,6 +48,17 @@ class ModelAdapter:
     tensor_refusal: str | None = None
     """One line saying why tensor parallel does not apply and what to use instead."""
 
+    pipeline_layout: Callable[[nn.Module], Any] | None = None
+    """``model -> PipelineLayout`` for a pipeline (parts named by dotted paths, e.g.
+    ``"model.layers"``); None: the model needs its own ``pipeline_layout()`` method."""
+
+    stage_forward: Callable[..., Any] | None = None
+    """``(stage, input) -> output`` of one pipeline stage, for a model whose ``forward``
+    cannot skip the parts another stage holds (Hugging Face models compute positions and
+    masks before their layers). ``stage`` holds the model's children under their full
+    names, the other stages' parts set to None; ``input`` is the token ids on the first
+    stage and the previous stage's output after it; the last stage returns the logits."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ModelAdapter.name must be a non-empty string, got {self.name!r}")
@@ -54,6 +67,8 @@ class ModelAdapter:
         if self.tensor_plan is not None and self.tensor_refusal is not None:
             raise ValueError(f"adapter {self.name!r}: give a tensor_plan or a tensor_refusal, "
                              "not both")
+        if self.stage_forward is not None and self.pipeline_layout is None:
+            raise ValueError(f"adapter {self.name!r}: a stage_forward needs a pipeline_layout")
 
 
 _REGISTERED: list[ModelAdapter] = []

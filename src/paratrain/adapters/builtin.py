@@ -1,8 +1,9 @@
-"""The built-in adapters: Hugging Face encoders and GPT-2, torchvision's ViT and ResNet.
+"""The built-in adapters: Hugging Face encoders, decoders and GPT-2, torchvision's ViT and ResNet.
 
 Models whose layer names the automatic plan already reads (``paratrain.models.GPT``,
 Llama/Mistral/Qwen2-style ``q_proj``/``o_proj``/``gate_proj``/``down_proj``) need no
-adapter for tensor parallel.
+tensor plan; the Hugging Face ones have adapters for their pipeline stages
+(:mod:`.pipelines`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,14 @@ from __future__ import annotations
 from torch import nn
 
 from paratrain.adapters import ModelAdapter
+from paratrain.adapters.pipelines import (
+    decoder_layout,
+    decoder_stage,
+    encoder_layout,
+    encoder_stage,
+    gpt2_layout,
+    gpt2_stage,
+)
 
 
 def _has_module(model: nn.Module, class_names: set[str]) -> bool:
@@ -39,6 +48,17 @@ HF_ENCODER = ModelAdapter(
                                       "XLMRobertaSelfAttention", "ElectraSelfAttention"}),
     tensor_plan=_bert_plan,
     split_attributes=("num_attention_heads", "all_head_size"),
+    pipeline_layout=encoder_layout,
+    stage_forward=encoder_stage,
+)
+
+HF_DECODER = ModelAdapter(
+    name="hf-decoder",
+    # Llama, Mistral, Qwen2 and the like: the automatic tensor plan reads their names.
+    matches=lambda m: type(m).__name__.endswith("ForCausalLM")
+    and decoder_layout(m) is not None,
+    pipeline_layout=decoder_layout,
+    stage_forward=decoder_stage,
 )
 
 HF_GPT2 = ModelAdapter(
@@ -48,6 +68,8 @@ HF_GPT2 = ModelAdapter(
                     "Conv1D q/k/v projection (c_attn) cannot be split as is; use dp_shard "
                     "(fsdp) or dp_replicate (ddp), or register an adapter with a plan "
                     "(docs/strategies.md, 'Models')"),
+    pipeline_layout=gpt2_layout,
+    stage_forward=gpt2_stage,
 )
 
 TORCHVISION_VIT = ModelAdapter(
@@ -67,4 +89,5 @@ TORCHVISION_RESNET = ModelAdapter(
                     "or dp_shard (fsdp)"),
 )
 
-BUILTIN: tuple[ModelAdapter, ...] = (HF_ENCODER, HF_GPT2, TORCHVISION_VIT, TORCHVISION_RESNET)
+BUILTIN: tuple[ModelAdapter, ...] = (HF_ENCODER, HF_GPT2, HF_DECODER, TORCHVISION_VIT,
+                                     TORCHVISION_RESNET)

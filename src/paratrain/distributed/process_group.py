@@ -38,12 +38,16 @@ def init_process_group(topology: Topology, *, timeout_s: float,
                        wait_report_s: float = 30.0) -> bool:
     """Create the default process group for ``topology``; return True if this call created it.
 
-    A single process needs no group. When the launcher already initialised one
-    (a user script that called ``init_process_group`` itself) it is reused. When
+    A single process needs no group. When one is already initialised (a user script
+    that called ``init_process_group`` itself, Ray Train's workers) it is reused if it
+    agrees with ``topology`` (:func:`check_existing_group`). When
     processes share GPUs (``topology.shares_device``), rank 0 prints one notice. While
     ranks are missing a notice comes every ``wait_report_s`` (``PARATRAIN_WAIT_REPORT_S``).
     """
-    if not topology.is_distributed or dist.is_initialized():
+    if dist.is_initialized():
+        check_existing_group(topology)
+        return False
+    if not topology.is_distributed:
         return False
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
@@ -98,6 +102,31 @@ def init_process_group(topology: Topology, *, timeout_s: float,
         _rendezvous.update(where=where, store=_rendezvous_store(), groups=0)
     _rendezvous["groups"] += 1
     return True
+
+
+def check_existing_group(topology: Topology) -> None:
+    """Refuse a default group made by someone else (the script, Ray Train) that disagrees
+    with the environment: training would otherwise run unsynchronised or on the wrong device.
+
+    Ray Train and torchrun set ``RANK``/``WORLD_SIZE`` beside the group they make, so a
+    mismatch means a script that formed its group by hand without them.
+    """
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if (rank, size) != (topology.rank, topology.world_size):
+        raise RuntimeError(
+            f"a process group already exists with this process as rank {rank} of {size}, but "
+            f"the environment says rank {topology.rank} of {topology.world_size}; set RANK, "
+            "WORLD_SIZE and LOCAL_RANK to match it (torchrun, paratrain launch and Ray Train do)")
+    backend = str(dist.get_backend()).lower()
+    # "cpu:gloo,cuda:nccl" (a group made with several backends) names one per device type.
+    per_device = dict(item.split(":", 1) for item in backend.split(",") if ":" in item)
+    serving = per_device.get(topology.device.type, backend)
+    # Other backends (mpi, ucc, a vendor's) are the script's choice: not judged here.
+    if serving in ("gloo", "nccl") and serving != topology.backend:
+        raise RuntimeError(
+            f"the process group that already exists uses {backend} but this run computes on "
+            f"{topology.device.type} with {topology.backend}; make them agree (Ray Train: "
+            "ScalingConfig(use_gpu=...) and Run(accelerator=...))")
 
 
 def _rendezvous_store() -> Any:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence
 import psutil
 
 from paratrain.distributed.device import cpu_threads_per_process, free_port
+from paratrain.launch import kubernetes, preflight, slurm
 from paratrain.launch import report as launch_report
 from paratrain.launch import worker as launch_worker
 from paratrain.launch.argv import misplaced_flags_notice
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the layout as degrees, e.g. dp_shard=2,tp=2 (sets PARATRAIN_PARALLEL)")
     add("--share-gpus", action="store_true",
         help="allow more processes than GPUs per node (round-robin, gloo); for testing only")
+    preflight.add_arguments(parser)
     add("-m", "--module", action="store_true", help="run SCRIPT as a Python module")
     add("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     add("script", help="training script (or module with -m)")
@@ -276,6 +279,9 @@ def _rendezvous_notice(args: argparse.Namespace, high: int) -> Callable[[float],
 def _stop_line(signum: int) -> str:
     if signum == signal.SIGINT:
         return "interrupted; workers were stopped"
+    if signals.forwarded():  # the requeue signal came first: this is Slurm's requeue
+        return (f"stopped by {signal.Signals(signum).name} after "
+                f"{signal.Signals(signals.forwarded()[-1]).name} (the job is being requeued)")
     return f"stopped by {signal.Signals(signum).name}; workers were stopped"
 
 
@@ -289,16 +295,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
+    parser, given = build_parser(), list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(given)
+    try:  # a Kubeflow pod's PET_* / WORLD_SIZE+RANK fill the flags not given
+        for notice in kubernetes.apply(args, kubernetes.explicit_options(parser, given),
+                                       kubernetes.detect(os.environ)):
+            print(f"paratrain launch: {notice}", file=sys.stderr, flush=True)
+        for notice in slurm.apply(args, kubernetes.explicit_options(parser, given),
+                                  slurm.detect(os.environ)):  # likewise Slurm's SLURM_*
+            print(f"paratrain launch: {notice}", file=sys.stderr, flush=True)
         validate(args)
-        misplaced = misplaced_flags_notice(args, sys.argv[1:] if argv is None else argv)
+        misplaced = misplaced_flags_notice(args, given)
         if misplaced:
             print(f"paratrain launch: {misplaced}", file=sys.stderr, flush=True)
         interval = Settings.from_environ().wait_report_s
-        if (args.rdzv_backend == "static" and not args.standalone and args.node_rank > 0):
-            wait_for_master(args.master_addr, args.master_port or 29500, args.join_timeout,
-                            interval_s=interval, node_rank=args.node_rank)
+        signals.forward_to_children(Settings.from_environ().requeue_signal)  # Slurm's USR1
+        wait = functools.partial(wait_for_master, interval_s=interval, node_rank=args.node_rank)
+        if args.check or not args.no_check:
+            high = _parse_nnodes(args.nnodes)[1]
+            # Node 0 waits for the others' check-in: said every interval, as a rendezvous.
+            with (waits.reporting(_rendezvous_notice(args, high), interval_s=interval)
+                  if high > 1 and args.node_rank == 0 else contextlib.nullcontext()):
+                passed = preflight.run(args, _local_process_count(str(args.nproc_per_node)),
+                                       environ=os.environ, wait_for_master=wait)
+            if args.check:
+                print(f"paratrain launch: {passed}", flush=True)
+                return 0
+        elif (args.rdzv_backend == "static" and not args.standalone and args.node_rank > 0):
+            wait(args.master_addr, args.master_port or 29500, args.join_timeout)
+    except preflight.PreflightError as exc:
+        print("\n".join(f"paratrain launch: {line}" for line in exc.lines), file=sys.stderr)
+        return 2
     except (LaunchError, ValueError) as exc:
         print(f"paratrain launch: {exc}", file=sys.stderr)
         return 2

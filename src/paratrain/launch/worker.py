@@ -25,6 +25,8 @@ import os
 import signal
 import sys
 
+_early_signals: list[int] = []  # requeue signals received while the runner started
+
 if __name__ == "__main__":
     # Started as a file, so this folder is sys.path[0]: its modules (data.py, plan.py,
     # ...) must not shadow the user's. Ctrl-C while torch is imported leaves nothing
@@ -32,6 +34,9 @@ if __name__ == "__main__":
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+    # Slurm's requeue signal (default USR1) would end the worker while torch loads;
+    # noted here, main() hands it to paratrain.reliability.signals.hold.
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _early_signals.append(signum))
 
 import atexit  # noqa: E402 - after the start-up guard above
 import gc  # noqa: E402
@@ -79,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_environ()
     signals.install_excepthook(show_traceback=settings.show_traceback,
                                launched=settings.launched)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # unless it is the requeue signal:
+    signals.hold(settings.requeue_signal,  # Run() takes it over; see GracefulStop
+                 received=settings.requeue_signal in _early_signals)
     atexit.register(release_process_group)
     sys.argv = [target, *args]
     signal.signal(signal.SIGINT, signal.default_int_handler)

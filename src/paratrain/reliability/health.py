@@ -45,7 +45,8 @@ ENV_EVERY = "PARATRAIN_HEALTH_EVERY"
 ENV_TIMEOUT = "PARATRAIN_TIMEOUT_S"
 ADDRESS_BYTES = 64
 # Fields that may differ per node without changing the computation.
-_LOCAL_FIELDS = frozenset({"progress", "metrics_path", "tensorboard_dir", "checkpoint_dir"})
+_LOCAL_FIELDS = frozenset({"progress", "metrics_path", "tensorboard_dir", "checkpoint_dir",
+                           "loggers"})  # used on rank 0 only
 _STATE_NAMES = ("steps in this process", "global step", "epoch", "sample offset",
                 "collective sequence")
 # How gloo/NCCL/the store say that a peer is gone (their messages name no rank).

@@ -13,6 +13,15 @@
     if the stop is not agreed within ``PARATRAIN_TERM_GRACE_S`` (default 10 s)
     the process exits with 143 anyway, as it would have without the handler.
 
+``requeue_signal`` (Slurm preemption / time limit)
+    The requeue signal (``PARATRAIN_REQUEUE_SIGNAL``, default SIGUSR1, which
+    ``paratrain slurm`` asks Slurm to send 90 s before the time limit) stops the
+    run the same way; then rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` and every
+    rank exits with 0: the requeued job resumes from that checkpoint. Outside Slurm
+    (or when ``scontrol`` fails) the exit code is 128 + the signal. The launcher
+    forwards it to its workers (:func:`forward_to_children`); a worker holds it from
+    start-up (:func:`hold`) so that one arriving before ``Run()`` is not lost.
+
 ``install_excepthook``
     Errors that paratrain raises for bad input or a lost peer print as one
     line ``paratrain: <message>`` instead of a traceback
@@ -26,7 +35,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -44,6 +55,7 @@ ENV_GRACE = "PARATRAIN_TERM_GRACE_S"
 # Set by ``paratrain launch`` for its workers: it reports their errors itself.
 ENV_LAUNCHED = "PARATRAIN_LAUNCHED"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_held: set[int] = set()  # requeue signals received before a GracefulStop took them over
 _PACKAGE_DIR = str(Path(__file__).resolve().parents[1])  # the package root
 
 
@@ -54,10 +66,19 @@ class GracefulStop:
         group: process group for the agreement (None for a single process).
         enabled: install the handler (needs the main thread).
         grace_s: seconds the ranks have to agree (``PARATRAIN_TERM_GRACE_S``).
+        requeue_signal: the signal that stops and requeues (None: not handled).
+        slurm_job_id: the Slurm job to requeue (None outside Slurm).
+        main: this rank runs ``scontrol requeue`` (rank 0).
     """
 
-    def __init__(self, *, group: Any, enabled: bool, grace_s: float = 10.0) -> None:
+    def __init__(self, *, group: Any, enabled: bool, grace_s: float = 10.0,
+                 requeue_signal: int | None = None, slurm_job_id: str | None = None,
+                 main: bool = True) -> None:
         self.group = group
+        self.requeue_signal = signal.Signals(requeue_signal) if requeue_signal else None
+        self.slurm_job_id = slurm_job_id
+        self.main = main
+        self._exit_code: int | None = None
         self.requested = False
         self.agreed = False
         self.signal = signal.SIGTERM
@@ -69,8 +90,11 @@ class GracefulStop:
         self.installed = False
         if enabled and threading.current_thread() is threading.main_thread():
             self.grace_s = grace_s
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in self._signals}
             self.installed = True
+            if self.requeue_signal is not None and int(self.requeue_signal) in _held:
+                _held.discard(int(self.requeue_signal))
+                self._on_signal(int(self.requeue_signal), None)
             self._start_watchdog()
 
     def _start_watchdog(self) -> None:
@@ -91,22 +115,50 @@ class GracefulStop:
         try:
             while True:
                 received = os.read(read_fd, 64)
-                if any(int(sig) in received for sig in _STOP_SIGNALS):
+                if any(int(sig) in received for sig in self._signals):
                     break
                 if not self.installed:
                     return  # woken by close()
+            time.sleep(self.grace_s)
+            if self.installed and not self.agreed:
+                print(f"paratrain: {self.signal.name}; no step finished within "
+                      f"{self.grace_s:g} s ({ENV_GRACE}), exiting without a checkpoint",
+                      file=sys.stderr, flush=True)
+                os._exit(self.exit_code)
+            # Until close(), a second signal (Slurm's and the launcher's copy) still writes
+            # to the pipe: a closed read end would print a BrokenPipeError.
+            while self.installed:
+                os.read(read_fd, 64)
         finally:
             os.close(read_fd)
-        time.sleep(self.grace_s)
-        if self.installed and not self.agreed:
-            print(f"paratrain: {self.signal.name}; no step finished within {self.grace_s:g} s "
-                  f"({ENV_GRACE}), exiting without a checkpoint", file=sys.stderr, flush=True)
-            os._exit(self.exit_code)
+
+    @property
+    def _signals(self) -> tuple[int, ...]:
+        extra = (self.requeue_signal,) if self.requeue_signal is not None else ()
+        return (*_STOP_SIGNALS, *extra)
 
     @property
     def exit_code(self) -> int:
-        """128 + the signal number, as if the signal had ended the process."""
-        return 128 + int(self.signal)
+        """128 + the signal number, as if the signal had ended the process; 0 once requeued."""
+        return 128 + int(self.signal) if self._exit_code is None else self._exit_code
+
+    def after_save(self) -> str:
+        """After the stop's checkpoint: requeue the Slurm job on the requeue signal.
+
+        Returns what to add to the stop line (empty for SIGTERM/SIGINT).
+        """
+        if self.requeue_signal is None or self.signal != self.requeue_signal:
+            return ""
+        if not self.slurm_job_id:
+            return "; not in a Slurm job (SLURM_JOB_ID unset), nothing to requeue"
+        if not self.main:
+            self._exit_code = 0  # rank 0 requeues; its failure fails the job
+            return ""
+        problem = requeue_job(self.slurm_job_id)
+        if problem:
+            return f"; {problem}"
+        self._exit_code = 0
+        return f"; requeued Slurm job {self.slurm_job_id}"
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only a flag: the step in progress finishes, collectives stay paired.
@@ -125,10 +177,12 @@ class GracefulStop:
             self._work.wait()
             agreed = bool(self._flag.item())
         if agreed:
+            # The flag is the highest signal any rank got: all ranks exit the same way.
+            self.signal = signal.Signals(int(self._flag.item()))
             self._work = None
             self.agreed = True
             return True
-        self._flag = torch.tensor([int(self.requested)], dtype=torch.int32)
+        self._flag = torch.tensor([int(self.signal) if self.requested else 0], dtype=torch.int32)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group,
                                      async_op=True)
         return False
@@ -155,6 +209,62 @@ class GracefulStop:
                 os.close(write_fd)
             self._wakeup = None
             self.installed = False
+
+
+def requeue_job(job_id: str, *, timeout_s: float = 60.0) -> str:
+    """``scontrol requeue JOB_ID``; an empty string on success, else one line saying why."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return f"cannot requeue Slurm job {job_id}: scontrol is not on PATH"
+    try:
+        done = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"scontrol requeue {job_id} failed ({summary(exc)})"
+    if done.returncode != 0:
+        why = summary(RuntimeError(done.stderr or done.stdout or f"exit {done.returncode}"))
+        return f"scontrol requeue {job_id} failed ({why}); submit with sbatch --requeue"
+    return ""
+
+
+def _hold_handler(signum: int, frame: Any) -> None:
+    _held.add(signum)
+
+
+def hold(signum: int | None, *, received: bool = False) -> None:
+    """Keep the requeue signal for the next :class:`GracefulStop` instead of dying of it
+    (its default action ends the process); one that comes after training is ignored.
+    ``received``: it came already (while the worker started)."""
+    if signum and threading.current_thread() is threading.main_thread():
+        signal.signal(signum, _hold_handler)
+        if received:
+            _held.add(int(signum))
+
+
+def forward_to_children(signum: int | None) -> None:
+    """In ``paratrain launch``: pass ``signum`` on to the worker processes instead of
+    dying of it (torch's agent forwards only SIGTERM, SIGINT, SIGHUP and SIGQUIT)."""
+    if not signum or threading.current_thread() is not threading.main_thread():
+        return
+    import psutil
+
+    def forward(received: int, frame: Any) -> None:
+        _forwarded.append(received)
+        for child in psutil.Process().children():
+            try:
+                child.send_signal(received)
+            except psutil.Error:
+                pass  # already gone
+
+    signal.signal(signum, forward)
+
+
+_forwarded: list[int] = []
+
+
+def forwarded() -> list[int]:
+    """The signals :func:`forward_to_children` passed on so far (oldest first)."""
+    return list(_forwarded)
 
 
 # -- uncaught errors ------------------------------------------------------------------

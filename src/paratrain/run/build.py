@@ -9,8 +9,10 @@ a bad argument never leaves a process group or a signal handler behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from paratrain.config import RunConfig
@@ -28,6 +30,7 @@ from paratrain.settings import Settings
 from paratrain.strategies import create_strategy
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import PrecisionPolicy
+from paratrain.trackers.hub import TrackerHub, run_params, tracker_for
 
 __all__ = ["RunParts", "build_parts", "guard_peers"]
 
@@ -105,12 +108,17 @@ def build_parts(config: RunConfig, settings: Settings,
             monitor.every = 0
         stop = signals.GracefulStop(group=monitor.group,
                                     enabled=config.checkpoint_dir is not None and lockstep,
-                                    grace_s=settings.term_grace_s)
+                                    grace_s=settings.term_grace_s,
+                                    requeue_signal=settings.requeue_signal,
+                                    slurm_job_id=settings.slurm_job_id, main=topology.is_main)
+        trackers = _trackers(config, strategy, topology)
+        # loggers=["tensorboard"] writes tensorboard_dir itself: not twice.
+        board = None if "tensorboard" in config.loggers else config.tensorboard_dir
         metrics = None
-        if topology.is_main and (config.metrics_path or config.tensorboard_dir):
-            metrics = MetricsLog(config.metrics_path, config.tensorboard_dir)
+        if topology.is_main and (config.metrics_path or board):
+            metrics = MetricsLog(config.metrics_path, board)
         reporter = Reporter(is_main=topology.is_main, show_progress=config.progress,
-                            metrics=metrics)
+                            metrics=metrics, trackers=trackers)
         peak = device_peak_flops(device=topology.device, precision=config.precision,
                                  override=config.peak_flops)
         throughput = Throughput(
@@ -136,3 +144,24 @@ def build_parts(config: RunConfig, settings: Settings,
         # Counted only when MFU can be reported: CPU runs without peak_flops do no extra work.
         flop_counter=FirstStepFlops(enabled=peak is not None),
         faults=faults)
+
+
+def _trackers(config: RunConfig, strategy: Strategy, topology: Topology) -> TrackerHub:
+    """``config.loggers`` as a hub on rank 0 (an empty one elsewhere).
+
+    Resolved on every rank, so that a missing client package is one line on all of them.
+    """
+    from paratrain.distributed.device import peak_memory_bytes
+
+    trackers = [tracker_for(spec, tensorboard_dir=config.tensorboard_dir)
+                for spec in config.loggers]
+    directory = Path(config.checkpoint_dir) / "trackers" if config.checkpoint_dir else \
+        Path("paratrain-trackers")
+    params = run_params(
+        config, world_size=topology.world_size, layout_strategy=strategy.name,
+        data_parallel_size=strategy.data_parallel_size,
+        layout=strategy.layout_line or f"{strategy.name}: {strategy.data_parallel_size} "
+                                       f"data-parallel of {topology.world_size}")
+    return TrackerHub(trackers if topology.is_main else [],
+                      directory=directory, params=params,
+                      memory=functools.partial(peak_memory_bytes, topology.device))

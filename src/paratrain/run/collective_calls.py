@@ -33,7 +33,8 @@ import torch.distributed as dist
 from paratrain.distributed import _compat
 from paratrain.reliability.health import HealthError
 
-COLLECTIVE = ("prepare", "evaluate", "mean", "sum", "gather", "save")
+COLLECTIVE = ("prepare", "evaluate", "mean", "sum", "gather", "save", "save_pretrained",
+              "load_pretrained")
 """``Run`` methods that communicate with every rank (``load`` is local under ddp, and a
 rank-0 ``load`` would make the counts differ, so it is not counted)."""
 _LIST = ("run.prepare(), run.evaluate(), run.mean(), run.sum(), run.gather() and run.save() "

@@ -39,6 +39,7 @@ from paratrain.run import collective_calls, misuse
 from paratrain.run.build import build_parts
 from paratrain.run.hooks import AfterStep, FaultHook, HealthHook, PeriodicSave, StopOnSignal
 from paratrain.run.metrics import Metrics
+from paratrain.run.pretrained import Pretrained, setup_model
 from paratrain.run.samples import SampleCounter
 from paratrain.run.seeding import seed_everything
 from paratrain.run.state import RunState
@@ -49,7 +50,7 @@ from paratrain.sync_batchnorm import convert_sync_batchnorm
 
 
 @collective_calls.tracked  # a collective method called on some ranks only: one line
-class Run(TrainStep, Metrics):
+class Run(TrainStep, Metrics, Pretrained):
     """A training run: topology, strategy, precision, data, checkpoints and reporting.
 
     Construct it first thing in the script. It reads the launcher's environment
@@ -68,7 +69,8 @@ class Run(TrainStep, Metrics):
         checkpoint_every: int | None = None, keep_checkpoints: int = 2,
         async_save: bool = False, progress: bool = True,
         metrics_path: str | os.PathLike | None = None,
-        tensorboard_dir: str | os.PathLike | None = None, tokens_per_sample: int | None = None,
+        tensorboard_dir: str | os.PathLike | None = None, loggers: Any = (),
+        tokens_per_sample: int | None = None,
         peak_flops: float | None = None, compile: bool | dict[str, Any] = False,
         environ: dict[str, str] | None = None, **misspelled: Any,
     ) -> None:
@@ -106,7 +108,7 @@ class Run(TrainStep, Metrics):
         seed_everything(self.config.seed)
         self.state = RunState(config=self.config, topology=self.topology,
                               strategy=self.strategy, precision=self.precision,
-                              print_fn=self.print)
+                              print_fn=self.print, trackers=self.reporter.trackers)
         self._init_step_checks()
         self.epoch_stats: list[dict[str, float]] = []
         self._micro_step = 0
@@ -181,7 +183,7 @@ class Run(TrainStep, Metrics):
         # line too.
         with self._guard_peers():
             before, given = self._optimizers.parameters_of(model), optimizer  # see record
-            model = self.strategy.setup_model(model)
+            model = setup_model(self.strategy, model, optimizer)  # a meta one too
             if optimizer is not None:
                 prepared = self.strategy.setup_optimizer(optimizer)
                 if scheduler is not None and prepared is not optimizer:

@@ -60,7 +60,8 @@ class PeriodicSave:
 
 @dataclass
 class StopOnSignal:
-    """After an agreed SIGTERM/SIGINT every rank saves this same step and exits.
+    """After an agreed SIGTERM/SIGINT (or requeue signal) every rank saves this same step
+    and exits; on the requeue signal rank 0 first requeues the Slurm job.
 
     ``save`` writes a step's checkpoint at most once, so a periodic save at the same
     step is not repeated.
@@ -78,6 +79,7 @@ class StopOnSignal:
         self.save()
         # close() ends the progress bar first, so that it is not redrawn after the line.
         self.close()
+        requeued = self.stop.after_save()  # the requeue signal: rank 0 requeues the Slurm job
         self.print_fn(f"paratrain: {self.stop.signal.name} received; saved step "
-                      f"{global_step} to {self.checkpoint_dir}, exiting")
+                      f"{global_step} to {self.checkpoint_dir}{requeued}, exiting")
         raise SystemExit(self.stop.exit_code)

@@ -76,5 +76,11 @@ class Metrics:
         self.reporter.print(*args, **kwargs)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Append ``metrics`` to the metrics log (rank 0), stamped with the global step."""
-        self.reporter.log(metrics, step=self.global_step)
+        """Append ``metrics`` to the metrics log and the trackers (rank 0), stamped with the
+        global step; trackers also get the epoch's samples/s so far (tokens/s, MFU if known)."""
+        self.reporter.log(metrics, step=self.global_step, live=self._live_rates)
+
+    def _live_rates(self) -> dict[str, float]:
+        rates = self.epoch_throughput()
+        return {f"throughput/{k}": rates[k] for k in ("samples_per_s", "tokens_per_s", "mfu")
+                if rates.get(k) is not None}

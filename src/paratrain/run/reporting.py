@@ -8,10 +8,13 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from paratrain.trackers.hub import TrackerHub
 
 
 class MetricsLog:
@@ -79,10 +82,13 @@ class Reporter:
     """
 
     def __init__(self, *, is_main: bool, show_progress: bool, metrics: MetricsLog | None,
-                 stream: TextIO | None = None, log_interval_s: float = 30.0) -> None:
+                 stream: TextIO | None = None, log_interval_s: float = 30.0,
+                 trackers: TrackerHub | None = None) -> None:
         self.is_main = is_main
         self.show_progress = show_progress and is_main
         self.metrics = metrics
+        self.trackers = trackers
+        """Experiment trackers (``RunConfig.loggers``), fed on the main rank only."""
         self.stream = stream
         self.log_interval_s = log_interval_s
         self._bar: tqdm | None = None
@@ -95,9 +101,13 @@ class Reporter:
         else:
             print(*args, **kwargs, flush=True)
 
-    def log(self, row: dict[str, Any], *, step: int) -> None:
+    def log(self, row: dict[str, Any], *, step: int,
+            live: Callable[[], dict[str, Any]] | None = None) -> None:
+        """Write ``row`` to the metrics log; trackers also get ``live()`` (current rates)."""
         if self.is_main and self.metrics is not None:
             self.metrics.write(row, step=step)
+        if self.is_main and self.trackers:
+            self.trackers.log({**row, **live()} if live is not None else row, step=step)
 
     def progress(
         self, batches: Iterable[Any], *, total_samples: int, samples_per_batch: int, desc: str,
@@ -158,6 +168,8 @@ class Reporter:
             self._bar = None
         if self.metrics is not None:
             self.metrics.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 class _Meter:

@@ -34,8 +34,10 @@ class RunState:
     """
 
     def __init__(self, *, config: RunConfig, topology: Topology, strategy: Strategy,
-                 precision: Precision, print_fn: Callable[[str], None]) -> None:
+                 precision: Precision, print_fn: Callable[[str], None],
+                 trackers: Any = None) -> None:
         self._config = config
+        self._trackers = trackers  # a TrackerHub: its run ids travel in the checkpoint
         self._topology = topology
         self._strategy = strategy
         self._precision = precision
@@ -155,6 +157,8 @@ class RunState:
             "nonfinite_batches": list(self.nonfinite_batches),
             "rng": self._gather_rng(),
         }
+        if self._trackers and topology.is_main:  # after a flush: the steps so far are in them
+            state["trackers"] = self._trackers.state_dict()
         shards = None
         if not isinstance(strategy, ShardedState):
             # State dicts may be collective (sharded strategies): every rank calls them.
@@ -273,6 +277,8 @@ class RunState:
         self._precision.load_state_dict(state["precision"])
         self.nonfinite_batches[:] = state.get("nonfinite_batches", [])
         self.global_step = int(state["global_step"])
+        if self._trackers:
+            self._trackers.load_state_dict(state.get("trackers"), step=self.global_step)
         self.epoch = int(state["epoch"])
         self._resume_cursor = DataCursor(**state["cursor"])
         rng = state["rng"]

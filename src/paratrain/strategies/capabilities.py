@@ -152,8 +152,15 @@ class Compiles(ABC):  # noqa: B024
         return None
 
 
+# A marker, like Compiles: nothing in it is abstract.
+class ShardsOnMeta(ABC):  # noqa: B024
+    """``setup_model`` takes a model whose parameters are on the meta device, shards it,
+    and gives memory to this rank's shards only (``fsdp``, ``hybrid``); other strategies
+    receive such a model materialised whole (see :mod:`paratrain.checkpoint.meta_init`)."""
+
+
 CAPABILITIES: tuple[type, ...] = (ShardedState, ServerRole, LockstepEvaluation, PrecisionPolicy,
-                                  ReportsMetrics, Compiles)
+                                  ReportsMetrics, Compiles, ShardsOnMeta)
 """Every optional capability, for tools that list what a strategy offers."""
 
 

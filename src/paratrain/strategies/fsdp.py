@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from paratrain.checkpoint.meta_init import materialise, on_meta
 from paratrain.checkpoint.sharded import parameter_names
 from paratrain.compile import compile_forward
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
@@ -29,6 +30,7 @@ from paratrain.strategies.capabilities import (
     LockstepEvaluation,
     PrecisionPolicy,
     ShardedState,
+    ShardsOnMeta,
 )
 from paratrain.strategies.dtensor_params import (
     DTensorParameters,
@@ -99,7 +101,7 @@ def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module], bool]:
 
 
 class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,
-                   PrecisionPolicy, Compiles):
+                   PrecisionPolicy, Compiles, ShardsOnMeta):
     """Shard parameters, gradients and optimizer state over the data-parallel ranks.
 
     Args:
@@ -152,7 +154,9 @@ class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation
     def setup_model(self, model: nn.Module) -> nn.Module:
         # With offload, fully_shard moves each unit to the device only to shard it and
         # puts the shard back on the CPU: the whole model never sits on the device.
-        if not (self.active and self.options.offload):
+        # A model on the meta device is sharded there; only the shards get memory.
+        meta = on_meta(model)
+        if not (self.active and self.options.offload) and not meta:
             model = model.to(self.topology.device)
         names = parameter_names(model)
         if self.active:
@@ -170,6 +174,9 @@ class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation
                 offload_policy=self._offload_policy())
         elif self._compile is not None:
             compile_forward(model, self._compile)
+        if meta:
+            materialise(model, "cpu" if self.active and self.options.offload
+                        else self.topology.device)
         self._remember(model, names)
         return model
 

@@ -8,7 +8,9 @@ glue (positions, residual streams) in ``forward``. Rather than rewriting them as
 model itself with the other stages' parts removed, as torchtitan does: stage 0 keeps the
 ``before`` parts, the last stage the ``after`` parts, and every stage its contiguous run
 of blocks, registered under their original indices so parameter names (and so
-checkpoints) are those of the full model.
+checkpoints) are those of the full model. Parts may be dotted paths
+(``"model.layers"``): a model adapter describes Hugging Face models that way
+(:mod:`.adapted`).
 
 Stages are balanced by measured compute: each part's forward + backward is timed once
 on the layout's sample input (:func:`measure_costs`), and :func:`block_ranges` picks the
@@ -36,7 +38,8 @@ class PipelineLayout:
     """The parts of a model that the ``pipeline`` strategy cuts between."""
 
     before: tuple[str, ...]
-    """Attribute names of the modules before the blocks; only the first stage keeps them."""
+    """Names (attributes or dotted paths) of the modules before the blocks; only the first
+    stage keeps them."""
     blocks: str
     """Attribute name of the ``nn.ModuleList`` of blocks, split contiguously over stages."""
     after: tuple[str, ...]
@@ -51,6 +54,26 @@ class PipelineLayout:
                              "each part belongs to before, blocks or after")
 
 
+def submodule_at(model: nn.Module, name: str) -> nn.Module | None:
+    """The submodule at ``name`` (an attribute or a dotted path); None if there is none."""
+    module: Any = model
+    for attribute in name.split("."):
+        module = getattr(module, attribute, None)
+    return module if isinstance(module, nn.Module) else None
+
+
+def _set_part(model: nn.Module, name: str, value: nn.Module | None) -> None:
+    # A dotted part's parents are copied first: the cut must not reach the full model
+    # (or another chunk) through a parent they share.
+    *parents, leaf = name.split(".")
+    module = model
+    for attribute in parents:
+        copied = _shallow_copy(getattr(module, attribute))
+        setattr(module, attribute, copied)
+        module = copied
+    setattr(module, leaf, value)
+
+
 def layout_of(model: nn.Module) -> PipelineLayout | None:
     """The model's :class:`PipelineLayout`, or None if it does not describe one."""
     describe = getattr(type(model), "pipeline_layout", None)
@@ -60,12 +83,16 @@ def layout_of(model: nn.Module) -> PipelineLayout | None:
     if not isinstance(layout, PipelineLayout):
         raise TypeError(f"{type(model).__name__}.pipeline_layout() must return a "
                         f"PipelineLayout, got {type(layout).__name__}")
-    blocks = getattr(model, layout.blocks, None)
-    if not isinstance(blocks, nn.ModuleList):
+    return check_layout(model, layout)
+
+
+def check_layout(model: nn.Module, layout: PipelineLayout) -> PipelineLayout:
+    """``layout``, once its parts are found in ``model`` (ValueError naming one that is not)."""
+    if not isinstance(submodule_at(model, layout.blocks), nn.ModuleList):
         raise ValueError(f"{type(model).__name__}.{layout.blocks} must be an nn.ModuleList "
                          "of blocks for the pipeline to split it")
     for name in (*layout.before, *layout.after):
-        if not isinstance(getattr(model, name, None), nn.Module):
+        if submodule_at(model, name) is None:
             raise ValueError(f"{type(model).__name__}.{name} named in its PipelineLayout "
                              "is not a submodule")
     return layout
@@ -96,9 +123,9 @@ def parameter_costs(model: nn.Module, layout: PipelineLayout) -> list[float]:
     def count(module: nn.Module) -> float:
         return float(sum(p.numel() for p in module.parameters()))
 
-    costs = [count(block) for block in getattr(model, layout.blocks)]
-    costs[0] += sum(count(getattr(model, name)) for name in layout.before)
-    costs[-1] += sum(count(getattr(model, name)) for name in layout.after)
+    costs = [count(block) for block in submodule_at(model, layout.blocks)]
+    costs[0] += sum(count(submodule_at(model, name)) for name in layout.before)
+    costs[-1] += sum(count(submodule_at(model, name)) for name in layout.after)
     return costs
 
 
@@ -126,9 +153,9 @@ def measure_costs(model: nn.Module, layout: PipelineLayout, device: torch.device
     (e.g. BatchNorm statistics) restored, so measuring leaves training exactly as if it
     had not happened.
     """
-    blocks = list(getattr(model, layout.blocks))
-    parts = [getattr(model, name) for name in layout.before] + blocks + \
-        [getattr(model, name) for name in layout.after]
+    blocks = list(submodule_at(model, layout.blocks))
+    parts = [submodule_at(model, name) for name in layout.before] + blocks + \
+        [submodule_at(model, name) for name in layout.after]
     captured: dict[int, tuple] = {}
     hooks = [part.register_forward_pre_hook(
         lambda module, args, i=i: captured.setdefault(i, args)) for i, part in enumerate(parts)]
@@ -155,26 +182,33 @@ def measure_costs(model: nn.Module, layout: PipelineLayout, device: torch.device
     return costs
 
 
-def refuse_ties_across_stages(model: nn.Module, stage_of: dict[str, int]) -> None:
-    """ValueError naming parameters that are one tensor but land on different stages.
+Tie = tuple[tuple[str, int], ...]
+"""The ``(full name, stage)`` of each holder of one tied tensor."""
+
+
+def ties_across_stages(model: nn.Module, stage_of: dict[str, int]) -> list[Tie]:
+    """Parameters that are one tensor but land on different stages.
 
     ``stage_of`` maps each part (a submodule name) to its stage. Each stage lives in
     its own process, so a tied parameter (``model[4].weight = model[0].weight``, a
-    language model's embedding and head) would become one copy per stage, each trained
-    on its own: the run would silently differ from the model. Ties within one stage
-    stay one tensor and are fine.
+    language model's embedding and head) becomes one copy per process: the strategy
+    keeps the copies equal by summing their gradients (:mod:`.ties`), or refuses
+    (:func:`tie_refusal`). Ties within one stage stay one tensor.
     """
     holders: dict[int, list[tuple[str, int]]] = {}
-    for part, stage in stage_of.items():
-        for name, param in model.get_submodule(part).named_parameters(remove_duplicate=False):
-            holders.setdefault(id(param), []).append((f"{part}.{name}", stage))
-    for names in holders.values():
-        if len({stage for _, stage in names}) > 1:
-            where = " and ".join(f"'{name}' (stage {stage})" for name, stage in names)
-            raise ValueError(
-                f"parameters {where} are tied (one tensor) but the pipeline puts them on "
-                "different stages, where each would train its own copy; put them on one "
-                "stage (split_points, or the parts of the PipelineLayout) or untie them")
+    for name_of_part, stage in stage_of.items():
+        module = submodule_at(model, name_of_part)
+        for name, param in module.named_parameters(remove_duplicate=False):
+            holders.setdefault(id(param), []).append((f"{name_of_part}.{name}", stage))
+    return [tuple(names) for names in holders.values() if len({s for _, s in names}) > 1]
+
+
+def tie_refusal(tie: Tie, why: str) -> str:
+    """The one line refusing ``tie``: ``why`` its copies cannot be kept equal."""
+    where = " and ".join(f"'{name}' (stage {stage})" for name, stage in tie)
+    return (f"parameters {where} are tied (one tensor) but the pipeline puts them on "
+            f"different stages, {why}; put them on one stage (split_points, or the parts of "
+            "the PipelineLayout) or untie them")
 
 
 class StageParts(NamedTuple):
@@ -186,6 +220,8 @@ class StageParts(NamedTuple):
     chunks: list[nn.Module]
     """One module per stage this rank runs (one, or several for an interleaved
     schedule), in stage order; they share their parts with :attr:`whole`."""
+    ties: tuple[Tie, ...] = ()
+    """Tied parameters on different stages (every stage's, not only this rank's)."""
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
@@ -203,14 +239,14 @@ def cut_stage(model: nn.Module, layout: PipelineLayout, stages: list[range],
                         (layout.after, len(stages) - 1 in stage_indices)):
         if not keep:
             for name in names:
-                setattr(model, name, None)
+                _set_part(model, name, None)
     kept_blocks = {i for index in stage_indices for i in stages[index]}
     kept = nn.ModuleList()
-    for name, block in getattr(model, layout.blocks).named_children():
+    for name, block in submodule_at(model, layout.blocks).named_children():
         if int(name) in kept_blocks:
             # Registered under the original index: "blocks.5.attn..." stays its name.
             kept.add_module(name, block)
-    setattr(model, layout.blocks, kept)
+    _set_part(model, layout.blocks, kept)
     return model
 
 
@@ -224,7 +260,7 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int,
     timings differ per process, so one process runs ``measure()`` and shares the result
     (the split must be identical everywhere).
     """
-    num_blocks = len(getattr(model, layout.blocks))
+    num_blocks = len(submodule_at(model, layout.blocks))
     if not 1 <= num_stages <= num_blocks:
         raise ValueError(f"cannot split {num_blocks} blocks into {num_stages} stages; "
                          "use fewer processes (or stages per rank) or a model with more blocks")
@@ -236,15 +272,15 @@ def split_model(model: nn.Module, layout: PipelineLayout, *, num_stages: int,
         else:
             costs = parameter_costs(model, layout)  # the same in every process
         stages = block_ranges(costs, num_stages)
-    refuse_ties_across_stages(model, {
+    ties = ties_across_stages(model, {
         **{name: 0 for name in layout.before},
         **{f"{layout.blocks}.{i}": stage for stage, blocks in enumerate(stages) for i in blocks},
         **{name: num_stages - 1 for name in layout.after}})
     whole = cut_stage(model, layout, stages, stage_indices)
     if len(stage_indices) == 1:
-        return StageParts(whole, [whole])
+        return StageParts(whole, [whole], tuple(ties))
     return StageParts(whole, [cut_stage(_shallow_copy(whole), layout, stages, [index])
-                              for index in stage_indices])
+                              for index in stage_indices], tuple(ties))
 
 
 def stage_layers(model: nn.Sequential, *, num_stages: int, stage_indices: list[int],
@@ -260,12 +296,13 @@ def stage_layers(model: nn.Sequential, *, num_stages: int, stage_indices: list[i
                               num_stages)
     else:
         stages = ranges_from_points(len(children), num_stages, tuple(split_points), kind="start")
-    refuse_ties_across_stages(model, {children[i][0]: stage for stage, layers in enumerate(stages)
-                                      for i in layers})
+    ties = tuple(ties_across_stages(model, {children[i][0]: stage
+                                            for stage, layers in enumerate(stages)
+                                            for i in layers}))
     chunks = [nn.Sequential(OrderedDict(children[i] for i in stages[index]))
               for index in stage_indices]
     if len(chunks) == 1:
-        return StageParts(chunks[0], chunks)
+        return StageParts(chunks[0], chunks, ties)
     whole = nn.Sequential(OrderedDict(children[i] for index in stage_indices
                                       for i in stages[index]))
-    return StageParts(whole, chunks)
+    return StageParts(whole, chunks, ties)

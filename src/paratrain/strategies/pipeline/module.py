@@ -14,6 +14,7 @@ pipeline sees the same batch, so all of them build the same one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,13 +74,18 @@ class PipelineModule(nn.Module):
         sharded: the stage's forward communicates with other data-parallel ranks (FSDP),
             so evaluation runs each batch as one micro-batch: their evaluation batches
             can differ in size, and so would the number of micro-batches that divide them.
+        prepare_inputs: ``(args, kwargs) -> (args, kwargs)`` run on every rank before a
+            schedule (the inputs the first stage takes; refuses what cannot cross stages).
     """
 
     def __init__(self, stage_module: nn.Module, *, chunks: list[nn.Module],
                  stage_indices: list[int], num_stages: int,
                  group: dist.ProcessGroup, device: torch.device, schedule: str,
-                 num_microbatches: int, sharded: bool = False) -> None:
+                 num_microbatches: int, sharded: bool = False,
+                 prepare_inputs: Callable[[tuple, dict], tuple[tuple, dict]] | None = None,
+                 ) -> None:
         super().__init__()
+        self.prepare_inputs = prepare_inputs
         self.sharded = sharded
         self.stage_module = stage_module
         # Not registered: their parameters are stage_module's, under the same names.
@@ -104,6 +110,8 @@ class PipelineModule(nn.Module):
         return self.num_stages - 1 in self.stage_indices
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.prepare_inputs is not None:
+            args, kwargs = self.prepare_inputs(args, kwargs)
         if self.training and torch.is_grad_enabled():
             device_type = self.device.type
             dtype = (torch.get_autocast_dtype(device_type)

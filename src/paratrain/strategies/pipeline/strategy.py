@@ -14,7 +14,9 @@ The user's loop does not change: see :mod:`.deferred` for how
 schedule step. ``nn.Sequential`` models are split automatically (balanced by
 parameter count) or at ``split_points``; models with an embedding, a ``ModuleList``
 of blocks and a head describe themselves with a ``pipeline_layout()`` (see
-:mod:`.layout`) and are balanced by measured compute.
+:mod:`.layout`) and are balanced by measured compute; Hugging Face models are described
+by their model adapter (:mod:`.adapted`). Tied parameters on two stages stay one
+parameter (:mod:`.ties`).
 
 Every stage reads the same batches: the data-parallel size is the number of
 pipeline replicas (1 here, more under ``hybrid``), not the world size.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,12 +56,19 @@ from paratrain.strategies.capabilities import (
     PrecisionPolicy,
     ShardedState,
 )
-from paratrain.strategies.clipping import clip_grad_norm
+from paratrain.strategies.clipping import clip_grad_norm, scale_gradients
 from paratrain.strategies.dtensor_params import mixed_precision_policy, whole_model_state
 from paratrain.strategies.fsdp import FSDPOptions
+from paratrain.strategies.pipeline.adapted import (
+    AdaptedStage,
+    adapted_layout,
+    prepare_inputs,
+    stage_sharding,
+)
 from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
 from paratrain.strategies.pipeline.split_stages import check_split_options, split_stage
+from paratrain.strategies.pipeline.ties import TiedCopies
 from paratrain.strategies.tensor.strategy import TPOptions
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -152,6 +162,9 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         self._mp_policy: Any = None
         self._names: dict[int, str] = {}
         self._params: dict[str, nn.Parameter] = {}
+        self._ties: TiedCopies | None = None  # tied parameters on several stages
+        self._prepare_inputs: Callable[[tuple, dict], tuple[tuple, dict]] | None = None
+        self._adapted_blocks: str | None = None  # the blocks of an AdaptedStage
         self._sync_disabled = False
 
     def notice(self) -> str | None:
@@ -190,11 +203,16 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.topology.device)
         names = parameter_names(model)
+        # The optimizer names a tied tensor once; a later stage holds it under another name.
+        aliases = {n: names[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
         if self.active:
             stages = self.mesh.degrees.pipeline_degree
             parts = self._stage(model, stages)
-            split_stage(parts.whole, self.mesh, sharding=self.fsdp_options, tp=self.tp_options,
+            self._ties = TiedCopies(parts.ties, self.mesh)  # collective: groups of the copies
+            sharding = stage_sharding(parts.whole, self._adapted_blocks, self.fsdp_options)
+            split_stage(parts.whole, self.mesh, sharding=sharding, tp=self.tp_options,
                         mp_policy=self._mp_policy)
+            self._ties.bind(parts.whole)
             if self.data_parallel_size > 1:
                 self.mesh.data_parallel_group  # noqa: B018  (collective: built now, by all)
             model = PipelineModule(parts.whole, chunks=parts.chunks,
@@ -203,11 +221,13 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
                                    group=self.mesh.group("pipeline"), device=self.topology.device,
                                    schedule=self.options.schedule,
                                    num_microbatches=self.options.num_microbatches,
-                                   sharded=self.mesh.degrees.shard_degree > 1)
+                                   sharded=self.mesh.degrees.shard_degree > 1,
+                                   prepare_inputs=self._prepare_inputs)
         elif self._compile is not None:
             compile_forward(model, self._compile)
         self._names.update(names)
-        self._params.update(dict(self.checkpoint_module(model).named_parameters()))
+        self._params.update({aliases.get(n, n): p
+                             for n, p in self.checkpoint_module(model).named_parameters()})
         return model
 
     def configure_compile(self, options: CompileOptions) -> None:
@@ -228,12 +248,11 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
             return stage_layers(model, num_stages=stages, stage_indices=indices,
                                 split_points=self.options.split_points)
         layout = layout_of(model)
-        if layout is None:
-            raise ValueError(
-                f"strategy 'pipeline' splits nn.Sequential models and models with a "
-                f"pipeline_layout() method; {type(model).__name__} has neither. Express it as "
-                "nn.Sequential of its blocks or describe it with a PipelineLayout"
-            )
+        if layout is None:  # its model adapter describes it, or one line names the ways
+            model, layout = adapted_layout(model)
+            if isinstance(model, AdaptedStage):
+                self._prepare_inputs = partial(prepare_inputs, model.model_class)
+                self._adapted_blocks = layout.blocks
         return split_model(model, layout, num_stages=stages, stage_indices=indices,
                            split_points=self.options.split_points, device=self.topology.device,
                            agree=self._agree)
@@ -296,6 +315,8 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         module = self._module_of(loss)
         module.run_step(loss)
         if not self._sync_disabled:
+            if self._ties:
+                self._ties.sum_gradients()
             self._average_gradients(module)
 
     def _module_of(self, loss: Any) -> PipelineModule:
@@ -338,10 +359,15 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         yield from ((batch, True) for batch in batches)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        # The global norm covers every stage's gradients.
-        return clip_grad_norm(model.parameters(), max_norm,
+        # The global norm covers every stage's gradients, a tied tensor's once.
+        params = [p for p in model.parameters() if p.grad is not None]
+        ties = self._ties
+        norm = clip_grad_norm(ties.counted(params) if ties else params, max_norm,
                               across=self.mesh.group("pipeline") if self.active else None,
                               device=self.topology.device)
+        if ties:  # the copies the norm left out, scaled alike
+            scale_gradients(ties.copies(params), norm, max_norm)
+        return norm
 
     def teardown(self) -> None:
         # The stage's parameters must not outlive the process group (its schedule holds it).
