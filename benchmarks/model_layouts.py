@@ -73,6 +73,19 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
+def _opt():
+    import transformers
+
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    word_embed_proj_dim=32, max_position_embeddings=SEQ,
+                                    dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                    layerdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                    pad_token_id=1)
+    torch.manual_seed(0)
+    return transformers.OPTForCausalLM(config)
+
+
 def _bert():
     import transformers
 
@@ -129,6 +142,7 @@ MODELS = {
     "llama": ModelSpec(_llama(False), _tokens, "transformers"),
     "llama_tied": ModelSpec(_llama(True), _tokens, "transformers"),
     "gpt2": ModelSpec(_gpt2, _tokens, "transformers"),
+    "opt": ModelSpec(_opt, _tokens, "transformers"),
     "bert": ModelSpec(_bert, _sentences, "transformers"),
     "vit": ModelSpec(_vit, _labelled((3, 16, 16)), "torchvision"),
     # At lr 0.1 (loss 1.8 -> 13) or 0.01 (1.8 -> 0.16), 8 images' BatchNorm statistics

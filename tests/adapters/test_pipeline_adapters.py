@@ -22,7 +22,8 @@ from paratrain.strategies.pipeline.adapted import adapted_layout, prepare_inputs
 from paratrain.strategies.pipeline.layout import split_model  # noqa: E402
 
 TIES = {"llama_tied": ("model.embed_tokens.weight", "lm_head.weight"),
-        "gpt2": ("transformer.wte.weight", "lm_head.weight")}
+        "gpt2": ("transformer.wte.weight", "lm_head.weight"),
+        "opt": ("model.decoder.embed_tokens.weight", "lm_head.weight")}
 REFUSAL = ("a pipeline cannot split Net: it is not nn.Sequential, has no pipeline_layout() "
            "method and no model adapter describes its stages; give it a pipeline_layout() "
            "returning a PipelineLayout, or register an adapter with a pipeline_layout "
@@ -35,7 +36,7 @@ def stage(model_name, index):
                        device=torch.device("cpu"), agree=None)
 
 
-@pytest.mark.parametrize("model_name", ["llama", "llama_tied", "gpt2", "bert"])
+@pytest.mark.parametrize("model_name", ["llama", "llama_tied", "gpt2", "opt", "bert"])
 def test_stages_run_one_after_the_other_compute_the_model(model_name):
     spec = model_layouts.MODELS[model_name]
     full = spec.build()
@@ -108,6 +109,7 @@ def test_every_rank_refuses_in_one_line_before_any_stage_runs(model_name, messag
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name, layout", [
     ("llama", "pp_gpipe"), ("bert", "pp_1f1b"), ("gpt2", "pp_gpipe"), ("llama_tied", "pp_1f1b"),
+    ("opt", "pp_1f1b"),
 ])
 def test_hf_pipeline_matches_one_process(model_name, layout):
     reference = spawn(model_layouts.reference_worker, 1, model_name, timeout=240)[0]

@@ -18,6 +18,8 @@ from paratrain.adapters.pipelines import (
     encoder_stage,
     gpt2_layout,
     gpt2_stage,
+    opt_layout,
+    opt_stage,
 )
 
 
@@ -61,6 +63,14 @@ HF_DECODER = ModelAdapter(
     stage_forward=decoder_stage,
 )
 
+HF_OPT = ModelAdapter(
+    name="hf-opt",
+    # OPT's q/k/v_proj, out_proj, fc1 and fc2 are what the automatic tensor plan reads.
+    matches=lambda m: _has_module(m, {"OPTDecoder"}) and opt_layout(m) is not None,
+    pipeline_layout=opt_layout,
+    stage_forward=opt_stage,
+)
+
 HF_GPT2 = ModelAdapter(
     name="hf-gpt2",
     matches=lambda m: _has_module(m, {"GPT2Attention"}),
@@ -89,5 +99,5 @@ TORCHVISION_RESNET = ModelAdapter(
                     "or dp_shard (fsdp)"),
 )
 
-BUILTIN: tuple[ModelAdapter, ...] = (HF_ENCODER, HF_GPT2, HF_DECODER, TORCHVISION_VIT,
+BUILTIN: tuple[ModelAdapter, ...] = (HF_ENCODER, HF_GPT2, HF_OPT, HF_DECODER, TORCHVISION_VIT,
                                      TORCHVISION_RESNET)

@@ -62,6 +62,43 @@ def decoder_stage(stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
+# -- OPT (model.decoder.embed_tokens, embed_positions, layers, final_layer_norm; lm_head) ---
+def opt_layout(model: nn.Module) -> PipelineLayout | None:
+    """Token and learned position embeddings on the first stage, final norm and head on
+    the last; OPT-350m's projections and post-norm layout are not described (refused)."""
+    decoder = getattr(getattr(model, "model", None), "decoder", None)
+    if decoder is None or not isinstance(getattr(model, "lm_head", None), nn.Module) or any(
+            getattr(decoder, a, None) is not None for a in ("project_in", "project_out")) \
+            or getattr(decoder, "final_layer_norm", None) is None:
+        return None
+    return PipelineLayout(before=("model.decoder.embed_tokens", "model.decoder.embed_positions"),
+                          blocks="model.decoder.layers",
+                          after=("model.decoder.final_layer_norm", "lm_head"))
+
+
+def opt_stage(stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``OPTForCausalLM.forward`` for the parts ``stage`` holds (no cache, no padding)."""
+    from transformers.masking_utils import create_causal_mask
+
+    body = stage.model.decoder
+    ones = torch.ones(hidden.shape[:2], device=hidden.device)
+    # OPT numbers positions by counting the mask (``cumsum - 1``), as its forward does.
+    positions = (torch.cumsum(ones, dim=1) * ones - 1).long()
+    if body.embed_tokens is not None:
+        hidden = body.embed_tokens(hidden)
+        hidden = hidden + body.embed_positions(ones, 0, position_ids=positions).to(hidden.device)
+    mask = create_causal_mask(config=body.config, inputs_embeds=hidden, attention_mask=None,
+                              cache=None)
+    for layer in body.layers:
+        hidden = _tensor(layer(hidden, attention_mask=mask, position_ids=positions, cache=None,
+                               use_cache=False))
+    if body.final_layer_norm is not None:
+        hidden = body.final_layer_norm(hidden)
+    if stage.lm_head is not None:
+        hidden = stage.lm_head(hidden).contiguous()
+    return hidden
+
+
 # -- GPT-2 (transformer.wte, wpe, drop, h, ln_f; lm_head tied to wte) ------------------------
 def gpt2_layout(model: nn.Module) -> PipelineLayout | None:
     """Token and position embeddings on the first stage, final norm and head on the last."""
