@@ -28,6 +28,9 @@ def reference(model):
     ("llama_tied", "fsdp", [("shard",)]),  # tied embedding and head in one FSDP unit
     ("bert", "tp", [("tensor",)]),         # the hf-encoder adapter's plan and head counts
     ("resnet18", "ddp", []),               # BatchNorm over both ranks (sync_batchnorm)
+    # 8 ranks: the embedding tied to the head across stages, both whole under the
+    # tensor-parallel plan, their copies' gradients summed over one group per position.
+    ("llama_tied", "pp_fsdp_tp_3d", [("shard",), ("shard", "tensor")]),
 ])
 def test_model_under_layout_matches_one_process(model, layout, meshes):
     cell = model_layouts.run_cell(model, layout, reference(model), timeout=300)

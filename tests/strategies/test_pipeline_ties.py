@@ -72,10 +72,11 @@ def test_a_tie_across_stages_trains_as_one_tensor(schedule):
 
 
 def test_a_tie_tensor_parallel_would_split_differently_is_refused_in_one_line():
+    # The head in the stage's tensor-parallel plan, the embedding whole: not one slice.
     mesh = SimpleNamespace(degrees=SimpleNamespace(tensor_degree=2, pipeline_degree=2))
     tie = (("transformer.wte.weight", 0), ("lm_head.weight", 1))
     with pytest.raises(ValueError) as refused:
-        TiedCopies((tie,), mesh)
+        TiedCopies((tie,), mesh, split=frozenset({"lm_head", "transformer.h.0.mlp.c_fc"}))
     assert str(refused.value) == (
         "parameters 'transformer.wte.weight' (stage 0) and 'lm_head.weight' (stage 1) are "
         "tied (one tensor) but the pipeline puts them on different stages, which tensor "

@@ -19,7 +19,7 @@ from paratrain.strategies.fsdp import FSDPOptions
 from paratrain.strategies.tensor.plan import resolve_plan
 from paratrain.strategies.tensor.strategy import TPOptions, parallelize
 
-__all__ = ["check_split_options", "split_stage"]
+__all__ = ["check_split_options", "split_stage", "stage_plan"]
 
 
 def check_split_options(degrees: ParallelDegrees, *, num_local_stages: int,
@@ -35,8 +35,13 @@ def check_split_options(degrees: ParallelDegrees, *, num_local_stages: int,
                          "stages is not supported yet; use schedule '1f1b'")
 
 
-def split_stage(stage: nn.Module, mesh: ParallelMesh, *, sharding: FSDPOptions, tp: TPOptions,
-                mp_policy: Any) -> None:
-    """Tensor parallel, then FSDP, over this rank's stage (the one composition)."""
-    plan = resolve_plan(stage, tp.plan) if mesh.degrees.tensor_degree > 1 else None
+def stage_plan(stage: nn.Module, mesh: ParallelMesh, tp: TPOptions) -> dict[str, str] | None:
+    """The tensor-parallel plan of this rank's stage; None without tensor parallel."""
+    return resolve_plan(stage, tp.plan) if mesh.degrees.tensor_degree > 1 else None
+
+
+def split_stage(stage: nn.Module, mesh: ParallelMesh, *, sharding: FSDPOptions,
+                plan: dict[str, str] | None, mp_policy: Any) -> None:
+    """Tensor parallel (``plan``, from :func:`stage_plan`), then FSDP, over this rank's
+    stage (the one composition)."""
     parallelize(stage, mesh, plan=plan, sharding=sharding, mp_policy=mp_policy)

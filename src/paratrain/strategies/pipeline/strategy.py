@@ -67,7 +67,11 @@ from paratrain.strategies.pipeline.adapted import (
 )
 from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
-from paratrain.strategies.pipeline.split_stages import check_split_options, split_stage
+from paratrain.strategies.pipeline.split_stages import (
+    check_split_options,
+    split_stage,
+    stage_plan,
+)
 from paratrain.strategies.pipeline.ties import TiedCopies
 from paratrain.strategies.tensor.strategy import TPOptions
 
@@ -208,9 +212,12 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         if self.active:
             stages = self.mesh.degrees.pipeline_degree
             parts = self._stage(model, stages)
-            self._ties = TiedCopies(parts.ties, self.mesh)  # collective: groups of the copies
+            plan = stage_plan(parts.whole, self.mesh, self.tp_options)
+            # A collective: the ranks agree on the ties and build the groups of the copies.
+            self._ties = TiedCopies(parts.ties, self.mesh, split=frozenset(plan or ()),
+                                    device=self.topology.device)
             sharding = stage_sharding(parts.whole, self._adapted_blocks, self.fsdp_options)
-            split_stage(parts.whole, self.mesh, sharding=sharding, tp=self.tp_options,
+            split_stage(parts.whole, self.mesh, sharding=sharding, plan=plan,
                         mp_policy=self._mp_policy)
             self._ties.bind(parts.whole)
             if self.data_parallel_size > 1:

@@ -31,14 +31,25 @@ class TiedCopies:
     Args:
         ties: every tie across stages of the split (``StageParts.ties``).
         mesh: the layout; stage ``s`` runs on pipeline rank ``s % pipeline_degree``.
+        split: the modules this rank's tensor-parallel plan splits.
+        device: where the ranks agree whether a tie is split.
     """
 
-    def __init__(self, ties: tuple[Tie, ...], mesh: ParallelMesh) -> None:
+    def __init__(self, ties: tuple[Tie, ...], mesh: ParallelMesh, *,
+                 split: frozenset[str] = frozenset(),
+                 device: torch.device | None = None) -> None:
         degrees = mesh.degrees
         if ties and degrees.tensor_degree > 1:
-            # Embedding and head are split differently by tensor parallel: their local
-            # pieces are not the same slice of the tensor.
-            raise ValueError(tie_refusal(ties[0], "which tensor parallel splits differently"))
+            # A tied tensor the plan splits on one stage (a head) is whole on the other
+            # (an embedding): the copies' local pieces would not be the same slice. Each
+            # rank sees only its stage's plan, so the ranks agree before refusing.
+            mine = any(name.rpartition(".")[0] in split for tie in ties for name, _ in tie)
+            flag = torch.tensor([int(mine)], device=device)
+            if dist.is_initialized():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                raise ValueError(tie_refusal(ties[0], "which tensor parallel splits "
+                                                      "differently"))
         p = degrees.pipeline_degree
         self._ties: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
         for tie in ties:
@@ -50,10 +61,13 @@ class TiedCopies:
             if len(ranks) == p:
                 self._groups[ranks] = mesh.group("pipeline")
                 continue
+            # One group per position in the other axes: the copies there hold the same
+            # slice of the tensor (sharded alike, whole over the tensor axis).
             others = itertools.product(range(degrees.replicate_degree),
-                                       range(degrees.shard_degree))
-            groups = [[mesh.global_rank(pipeline=r, replicate=a, shard=b) for r in ranks]
-                      for a, b in others]
+                                       range(degrees.shard_degree),
+                                       range(degrees.tensor_degree))
+            groups = [[mesh.global_rank(pipeline=r, replicate=a, shard=b, tensor=t)
+                       for r in ranks] for a, b, t in others]
             mine, _ = dist.new_subgroups_by_enumeration(groups)
             self._groups[ranks] = mine if mesh.pipeline_rank in ranks else None
         self._pipeline_rank = mesh.pipeline_rank
