@@ -18,8 +18,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # Adam on pipeline x tensor parallel (the case that failed), and one gradient check.
-SUBSET = ["tests/strategies/test_hybrid_3d.py::test_pipeline_x_one_more_axis_on_four_ranks_"
-          "matches_single[2pp_x_2tp]",
+SUBSET = ["tests/parallel/test_degree_grid.py::test_degree_grid_matches_one_process"
+          "[4-pp_x_tp]",
           "tests/strategies/test_ddp.py::test_gradients_equal_reference_after_sync"]
 
 

@@ -12,7 +12,11 @@ check reaches the very port the job needs. Keys, under ``paratrain/preflight/``:
 * ``verdict``: node 0's answer once every node checked in or the time is up: the
   views it judged and the lines (empty: go);
 * ``ack``: incremented by each node that read the verdict; node 0 waits for these
-  (briefly) before closing the store, so that nobody reads from a closed store.
+  (briefly) before closing the store, so that nobody reads from a closed store;
+* ``closing`` / ``left``: node 0 sets ``closing`` once the verdict is read; each other
+  node answers with ``left`` (its last call), node 0 then closes the store, and the others
+  give it a moment before going on. Otherwise a fast node's torchrun could connect to
+  this store, still open on the master port, and lose it when node 0 closes it.
 
 Waits poll with ``check`` rather than blocking ``wait``: a timed-out ``wait`` makes torch
 log a warning with a C++ stack, and the check's own line is the report.
@@ -30,6 +34,7 @@ __all__ = ["exchange"]
 PREFIX = "paratrain/preflight/"
 POLL_S = 0.05
 ACK_WAIT_S = 5.0  # how long node 0 keeps the store open for nodes to read the verdict
+CLOSE_GRACE_S = 1.0  # after ``closing``: time for node 0 to close before torchrun connects
 VERDICT_GRACE_S = 15.0  # beyond its own deadline, how long a node waits for node 0's verdict
 OPEN_WAIT_S = 5.0  # how long a node looks for node 0's ``open`` mark after connecting
 
@@ -123,6 +128,10 @@ def _judge(store, expected_nodes: int, deadline: float, timeout_s: float, where:
     until = time.monotonic() + ACK_WAIT_S
     while int(store.add(PREFIX + "ack", 0)) < others and time.monotonic() < until:
         time.sleep(POLL_S)
+    store.set(PREFIX + "closing", "1")
+    until = time.monotonic() + ACK_WAIT_S
+    while int(store.add(PREFIX + "left", 0)) < others and time.monotonic() < until:
+        time.sleep(POLL_S)
     return list(views.values()), lines
 
 
@@ -136,6 +145,11 @@ def _await_verdict(store, seq: int, name: str, where: str, deadline: float,
         time.sleep(POLL_S)
     verdict = json.loads(store.get(PREFIX + "verdict"))
     store.add(PREFIX + "ack", 1)
+    until = time.monotonic() + ACK_WAIT_S + CLOSE_GRACE_S
+    while not store.check([PREFIX + "closing"]) and time.monotonic() < until:
+        time.sleep(POLL_S)
+    store.add(PREFIX + "left", 1)  # the last call: node 0 may close the store now
+    time.sleep(CLOSE_GRACE_S)
     lines = list(verdict["lines"])
     if seq not in verdict["seen"]:
         lines.append(f"{name} checked in after node 0 had judged the others; start every "
