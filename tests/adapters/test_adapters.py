@@ -41,8 +41,15 @@ def test_bert_gets_the_megatron_plan_and_its_head_attributes():
     assert "num_attention_heads" in split_attributes(model)
 
 
+def test_gpt2_splits_its_mlp_conv1d_pair_and_keeps_the_fused_attention_whole():
+    plan = resolve_plan(gpt2(), None)
+    assert plan == {"transformer.h.0.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_proj": "rowwise"}
+    with pytest.raises(ValueError, match="matches 'transformer.h.0.ln_1', a LayerNorm; only "
+                                         r"nn.Linear layers \(and Hugging Face's Conv1D\)"):
+        resolve_plan(gpt2(), {"*.ln_1": "colwise"})
+
+
 @pytest.mark.parametrize("build, message", [
-    (gpt2, r"tensor parallel of Hugging Face GPT-2 is not available: its fused Conv1D"),
     (lambda: torchvision.models.vit_b_16(num_classes=3, image_size=32),
      r"tensor parallel of torchvision's ViT is not available: nn.MultiheadAttention"),
     (lambda: torchvision.models.resnet18(num_classes=3),

@@ -27,6 +27,7 @@ def reference(model):
 @pytest.mark.parametrize("model, layout, meshes", [
     ("llama_tied", "fsdp", [("shard",)]),  # tied embedding and head in one FSDP unit
     ("bert", "tp", [("tensor",)]),         # the hf-encoder adapter's plan and head counts
+    ("gpt2", "tp", [("tensor",)]),         # Conv1D MLP split, fused attention whole
     ("resnet18", "ddp", []),               # BatchNorm over both ranks (sync_batchnorm)
     # 8 ranks: the embedding tied to the head across stages, both whole under the
     # tensor-parallel plan, their copies' gradients summed over one group per position.

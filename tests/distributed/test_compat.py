@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from paratrain.distributed import _compat
 from paratrain.distributed.device import free_port
+from paratrain.testing.numerics import assert_gradients_within
 
 
 def test_tree_map_and_tensor_subclass():
@@ -98,3 +99,43 @@ def test_all_gather_single_in_a_group_of_one():
         assert out.tolist() == [0.0, 1.0, 2.0]
     finally:
         dist.destroy_process_group()
+
+
+def _conv1d_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers.pytorch_utils import Conv1D
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        whole = torch.nn.Sequential(Conv1D(8, 4), torch.nn.GELU(), Conv1D(4, 8))
+        split = torch.nn.Sequential(Conv1D(8, 4), torch.nn.GELU(), Conv1D(4, 8))
+        split.load_state_dict(whole.state_dict())
+        mesh = init_device_mesh("cpu", (world_size,))
+        parallelize_module(split, mesh, {"0": _compat.transposed_linear_style("colwise"),
+                                         "2": _compat.transposed_linear_style("rowwise")})
+        x = torch.randn(3, 5, 4)
+        whole(x).square().sum().backward()
+        out = split(x)
+        out.square().sum().backward()
+        return {"out": (out.detach(), whole(x).detach()),
+                "local": [tuple(p.to_local().shape) for p in split.parameters()],
+                "grads": ({str(i): p.grad.full_tensor() for i, p in enumerate(split.parameters())},
+                          {str(i): p.grad for i, p in enumerate(whole.parameters())})}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_transposed_linear_style_splits_conv1d_as_torch_splits_a_linear():
+    pytest.importorskip("transformers")
+    from paratrain.distributed.spawn import spawn
+
+    for result in spawn(_conv1d_worker, 2, timeout=120):
+        # (in, out) weights: colwise halves the columns and the bias, rowwise the rows
+        # (its bias whole); forward and gradients equal the unsplit pair up to one
+        # reassociated sum (the rowwise all-reduce).
+        assert result["local"] == [(4, 4), (4,), (4, 4), (4,)]
+        out, reference = result["out"]
+        assert_gradients_within({"out": out}, {"out": reference})  # same bound: one sum
+        assert_gradients_within(*result["grads"])

@@ -298,3 +298,13 @@ def test_tensor_parallel_peers_draw_the_same_dropout_masks():
     assert first["replicated"].keys() == second["replicated"].keys() >= {"head.weight", "ln.weight"}
     for name, value in first["replicated"].items():
         assert torch.equal(value, second["replicated"][name]), name
+
+
+def test_sequence_parallel_refuses_a_matrix_the_plan_leaves_whole():
+    # Attention left whole (as GPT-2's fused c_attn is) would attend within each rank's
+    # slice of the sequence: refused, not trained wrong.
+    plan = resolve_plan(TinyGPT(), {"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})
+    _, blocks = block_container(TinyGPT(), plan)
+    with pytest.raises(ValueError, match=r"^sequence parallel cannot shard the sequence around "
+                                         r"'blocks.0.attn.q' \(Linear\): it holds a matrix"):
+        sequence_parallel_styles(TinyGPT(), plan, blocks)

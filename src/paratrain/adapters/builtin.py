@@ -74,10 +74,10 @@ HF_OPT = ModelAdapter(
 HF_GPT2 = ModelAdapter(
     name="hf-gpt2",
     matches=lambda m: _has_module(m, {"GPT2Attention"}),
-    tensor_refusal=("tensor parallel of Hugging Face GPT-2 is not available: its fused "
-                    "Conv1D q/k/v projection (c_attn) cannot be split as is; use dp_shard "
-                    "(fsdp) or dp_replicate (ddp), or register an adapter with a plan "
-                    "(docs/strategies.md, 'Models')"),
+    # The MLP's Conv1D pair is split; attention stays whole on every tensor rank: c_attn
+    # packs q, k and v in one (in, 3 x hidden) weight, whose even split would hand a rank
+    # all of q and half of k (a per-head split needs a layout checkpoints do not have).
+    tensor_plan=lambda m: {"*.h.*.mlp.c_fc": "colwise", "*.h.*.mlp.c_proj": "rowwise"},
     pipeline_layout=gpt2_layout,
     stage_forward=gpt2_stage,
 )

@@ -19,7 +19,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_single", "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
     "flattened_group", "make_tensor_subclass", "shard_indices", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
-    "torch_function_disabled", "tree_map",
+    "torch_function_disabled", "transposed_linear_style", "tree_map",
 ]
 
 
@@ -174,3 +174,47 @@ def shard_indices(global_shape: Sequence[int], mesh_shape: Sequence[int],
     # A rank with an empty piece gets a placeholder offset: keep no index then.
     return [indices[d][:sizes[d]] if d in indices else torch.arange(n)
             for d, n in enumerate(global_shape)]
+
+
+def transposed_linear_style(style: str, **options: Any) -> Any:
+    """torch's ``ColwiseParallel`` (``style="colwise"``) or ``RowwiseParallel`` for a layer
+    whose weight is stored ``(in_features, out_features)``: Hugging Face's ``Conv1D``.
+
+    torch's styles split only ``nn.Linear`` (weight ``(out, in)``) and ``nn.Embedding``;
+    this one splits the other weight dimension and reuses their input and output hooks
+    (private static methods), so the layer's forward (``addmm`` on DTensors) and its
+    communication are those of a linear split the same way.
+    """
+    from functools import partial
+
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    base = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[style]
+    if not all(hasattr(base, a) for a in ("_prepare_input_fn", "_prepare_output_fn")):
+        raise _missing(f"{base.__name__}._prepare_input_fn / _prepare_output_fn")
+    placements = ({"weight": Shard(1), "bias": Shard(0)} if style == "colwise"
+                  else {"weight": Shard(0), "bias": Replicate()})
+
+    class TransposedLinearStyle(base):  # type: ignore[misc, valid-type]
+        def _partition(self, _name: str, module: nn.Module, mesh: Any) -> None:
+            source = ({"src_data_rank": self.src_data_rank}
+                      if hasattr(self, "src_data_rank") else {})
+            for name, placement in placements.items():
+                param = getattr(module, name, None)
+                if param is not None:
+                    module.register_parameter(name, nn.Parameter(
+                        distribute_tensor(param, mesh, [placement], **source),
+                        requires_grad=param.requires_grad))
+
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            if style == "rowwise":
+                self.desired_input_layouts = (Shard(-1),)  # what RowwiseParallel sets
+            return distribute_module(
+                module, device_mesh, self._partition,
+                partial(self._prepare_input_fn, self.input_layouts,
+                        self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    return TransposedLinearStyle(**options)

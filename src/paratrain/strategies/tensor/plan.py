@@ -31,9 +31,11 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+import torch
 from torch import nn
 
 from paratrain.adapters import adapter_for
+from paratrain.distributed._compat import transposed_linear_style
 
 STYLES = ("colwise", "rowwise")
 """Styles a plan may name."""
@@ -96,12 +98,42 @@ def resolve_plan(model: nn.Module, plan: dict[str, str] | None) -> dict[str, str
             if name in resolved and resolved[name] != style:
                 raise ValueError(f"module {name!r} is matched by plan patterns with styles "
                                  f"{resolved[name]!r} and {style!r}; make the patterns disjoint")
-            if not isinstance(modules[name], nn.Linear):
+            if not is_splittable(modules[name]):
                 raise ValueError(f"plan pattern {pattern!r} matches {name!r}, a "
                                  f"{type(modules[name]).__name__}; only nn.Linear layers "
-                                 "can be split")
+                                 "(and Hugging Face's Conv1D) can be split")
             resolved[name] = style
     return resolved
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): a linear whose weight is ``(in, out)``."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(weight, torch.Tensor) and weight.dim() == 2)
+
+
+def is_splittable(module: nn.Module) -> bool:
+    """Whether tensor parallel can split ``module`` colwise or rowwise."""
+    return isinstance(module, nn.Linear) or is_transposed_linear(module)
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """``(in_features, out_features)`` of a splittable layer."""
+    if is_transposed_linear(module):
+        rows, columns = module.weight.shape
+        return int(rows), int(columns)
+    return module.in_features, module.out_features
+
+
+def parallel_style(module: nn.Module, style: str, **options: Any) -> Any:
+    """torch's ``ColwiseParallel``/``RowwiseParallel`` (with ``options``) for ``module``;
+    for a ``Conv1D``, the same split of its transposed weight."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if is_transposed_linear(module):
+        return transposed_linear_style(style, **options)
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}[style](**options)
 
 
 def automatic_plan(model: nn.Module) -> dict[str, str]:
@@ -140,8 +172,8 @@ def check_divisible(model: nn.Module, plan: dict[str, str], degree: int) -> None
     does not divide."""
     modules = dict(model.named_modules())
     for name, style in plan.items():
-        linear = modules[name]
-        size = linear.out_features if style == "colwise" else linear.in_features
+        in_features, out_features = features(modules[name])
+        size = out_features if style == "colwise" else in_features
         if size % degree:
             side = "out_features" if style == "colwise" else "in_features"
             raise ValueError(f"{name}.{side}={size} is not divisible by the tensor degree "

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.strategies.tensor.plan import parallel_style
+
 __all__ = ["OUTPUT_NAMES", "apply_loss_parallel", "apply_sequence_parallel", "block_container",
            "find_output_layer", "loss_parallel_context", "sequence_parallel_styles"]
 
@@ -85,11 +87,7 @@ def sequence_parallel_styles(model: nn.Module, plan: dict[str, str],
     """``({module name: ParallelStyle}, [names of modules whose first input is gathered])``
     for the planned layers, the blocks' norms and the attention/MLP modules."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     modules = dict(model.named_modules())
     styles: dict[str, Any] = {}
@@ -97,13 +95,13 @@ def sequence_parallel_styles(model: nn.Module, plan: dict[str, str],
     for name, style in plan.items():
         parent = name.rpartition(".")[0]
         if style == "rowwise":
-            styles[name] = RowwiseParallel(output_layouts=Shard(1))
+            styles[name] = parallel_style(modules[name], style, output_layouts=Shard(1))
         elif parent in blocks or isinstance(modules[parent], _CONTAINERS):
             # Called straight from the block (no module around it to gather once for
             # all its siblings): this layer gathers its own input.
-            styles[name] = ColwiseParallel(input_layouts=Shard(1))
+            styles[name] = parallel_style(modules[name], style, input_layouts=Shard(1))
         else:
-            styles[name] = ColwiseParallel()
+            styles[name] = parallel_style(modules[name], style)
             if parent not in gathered:
                 gathered.append(parent)
     for block in blocks:
@@ -111,6 +109,7 @@ def sequence_parallel_styles(model: nn.Module, plan: dict[str, str],
             inside = any(name == g or name.startswith(f"{g}.") for g in gathered)
             planned_or_above = any(p == name or p.startswith(f"{name}.") for p in plan)
             if not inside and not planned_or_above and _owns_parameters(module):
+                _check_per_token(name, module)
                 styles[name] = SequenceParallel()
     return styles, gathered
 
@@ -165,6 +164,17 @@ def loss_parallel_context() -> contextlib.AbstractContextManager:
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
+
+
+def _check_per_token(name: str, module: nn.Module) -> None:
+    # Only a module that works on each token alone (a norm: 1-D weights) may see a slice
+    # of the sequence; a matrix outside the plan (attention left whole) would silently
+    # attend within the slice.
+    if any(p.dim() > 1 for p in module.parameters(recurse=False)):
+        raise ValueError(f"sequence parallel cannot shard the sequence around {name!r} "
+                         f"({type(module).__name__}): it holds a matrix the tensor plan "
+                         "does not split; train without sequence_parallel or give a plan "
+                         "that splits it")
 
 
 def _owns_parameters(module: nn.Module) -> bool:

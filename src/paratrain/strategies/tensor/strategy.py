@@ -43,6 +43,7 @@ from paratrain.strategies.dtensor_params import (
 from paratrain.strategies.fsdp import FSDPOptions, wrap_predicate
 from paratrain.strategies.tensor.plan import (
     check_divisible,
+    parallel_style,
     resolve_plan,
     shard_heads,
     validate_plan,
@@ -141,20 +142,16 @@ def apply_tp(model: nn.Module, tp_mesh: Any, plan: dict[str, str], *,
              sequence_parallel: bool = False) -> None:
     """Split ``plan``'s linears over ``tp_mesh`` (with the residual stream sharded over the
     sequence if asked) and divide the head counts to match."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     degree = tp_mesh.size()
     check_divisible(model, plan, degree)
     if sequence_parallel:
         apply_sequence_parallel(model, tp_mesh, plan)
     else:
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        parallelize_module(model, tp_mesh,
-                           {name: styles[style]() for name, style in plan.items()})
+        modules = dict(model.named_modules())
+        parallelize_module(model, tp_mesh, {name: parallel_style(modules[name], style)
+                                            for name, style in plan.items()})
     shard_heads(model, plan, degree)
 
 
