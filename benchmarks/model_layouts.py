@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from layout_cells import BufferBound, compare, describe_error
+from layout_cells import BufferBound, RoundingPerturbation, compare, describe_error, spread
 
 import paratrain
 from paratrain.distributed.spawn import WorkerFailed, spawn
@@ -179,11 +179,13 @@ def _loss(output: Any, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, target)
 
 
-def train(model_name: str, run_options: dict[str, Any], reference: bool = False) -> dict:
+def train(model_name: str, run_options: dict[str, Any], reference: bool = False,
+          perturbed: bool = False) -> dict:
     """Train ``STEPS`` steps of ``model_name`` under ``run_options``; losses and state.
 
     ``reference``: also the arithmetic bounds on another layout's parameters and buffers
-    (replayed from this run's optimizer and BatchNorm inputs).
+    (replayed from this run's optimizer and BatchNorm inputs). ``perturbed``: gradients
+    moved by the rounding bound (:class:`layout_cells.RoundingPerturbation`).
     """
     spec = MODELS[model_name]
     run = paratrain.Run(progress=False, accelerator="cpu", seed=3,
@@ -191,6 +193,8 @@ def train(model_name: str, run_options: dict[str, Any], reference: bool = False)
     model = spec.build()
     optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
     bounds = (TrainingBound(model, optimizer), BufferBound(model)) if reference else None
+    if perturbed:
+        RoundingPerturbation(optimizer)
     aliases = {name: next(n for n, q in model.named_parameters() if q is p)
                for name, p in model.named_parameters(remove_duplicate=False)}
     model, optimizer = run.prepare(model, optimizer)
@@ -220,7 +224,11 @@ def train(model_name: str, run_options: dict[str, Any], reference: bool = False)
 
 
 def reference_worker(rank: int, world_size: int, model_name: str) -> dict:
-    return train(model_name, {"strategy": "single"}, reference=True)
+    result = train(model_name, {"strategy": "single"}, reference=True)
+    if MODELS[model_name].batchnorm:  # the second-order term matters (RoundingPerturbation)
+        result["spread"] = spread(result, train(model_name, {"strategy": "single"},
+                                                perturbed=True))
+    return result
 
 
 def cell_worker(rank: int, world_size: int, model_name: str, layout: str, errors: str) -> dict:

@@ -77,6 +77,19 @@ def test_a_difference_beyond_the_rounding_bound_is_reported():
                                                    reference)["note"]
 
 
+def test_a_measured_spread_widens_each_tensor_bound_to_twice_its_largest_entry():
+    weight = torch.ones(3)
+    reference = {"losses": [2.0], "state": {"w": weight},
+                 "tolerances": {"w": torch.full((3,), 1e-6)}, "buffer_tolerances": {},
+                 "aliases": {"w": "w"}}
+    perturbed = {"losses": [2.0], "state": {"w": weight + torch.tensor([0, 0, 3e-6])}}
+    reference["spread"] = layout_cells.spread(reference, perturbed)
+    inside = {"w": weight + torch.tensor([5e-6, 0, 0])}  # another element than the spread's
+    assert layout_cells.compare([_result(inside, [2.0])], reference)["status"] == "ok"
+    beyond = {"w": weight + torch.tensor([7e-6, 0, 0])}
+    assert layout_cells.compare([_result(beyond, [2.0])], reference)["status"] == "DIFFERS"
+
+
 def test_paratrain_one_liners_are_refusals_and_other_errors_are_failures():
     from paratrain.parallel import Parallel
 

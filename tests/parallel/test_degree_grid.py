@@ -10,13 +10,17 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
-from paratrain.strategies.capabilities import ShardedState
+from paratrain.testing.language import (
+    evaluate_tokens,
+    layout_meshes,
+    token_dataset,
+    train_steps,
+    whole_state,
+)
 from paratrain.testing.numerics import (
     REASSOCIATION,
     TrainingBound,
@@ -47,9 +51,7 @@ GRID = {
 
 
 def tokens(n=48):
-    generator = torch.Generator().manual_seed(7)
-    data = torch.randint(VOCAB, (n, BLOCK + 1), generator=generator)
-    return TensorDataset(data[:, :-1], data[:, 1:])
+    return token_dataset(n, VOCAB, BLOCK)
 
 
 def train(spec):
@@ -67,21 +69,10 @@ def train(spec):
     model, optimizer = run.prepare(model, optimizer)
     strategy = run.strategy
     loader = run.loader(tokens(), batch_size=GLOBAL_BATCH // strategy.data_parallel_size)
-    losses = []
-    for _, (x, y) in zip(range(STEPS), loader):
-        loss = F.cross_entropy(model(x).transpose(1, 2), y)
-        run.backward(loss)
-        run.step(optimizer)
-        losses.append(run.mean(loss))
-    evaluation = run.evaluate(model, run.eval_loader(tokens(13), batch_size=4),
-                              loss_fn=lambda out, y: F.cross_entropy(out.transpose(1, 2), y,
-                                                                     reduction="sum"))
-    meshes = {tuple(p.device_mesh.mesh_dim_names) for p in model.parameters()
-              if hasattr(p, "device_mesh")}
-    state = (strategy.full_state_dict(model) if isinstance(strategy, ShardedState)
-             else strategy.unwrap(model).state_dict())
-    result = {"strategy": strategy.name, "meshes": meshes, "losses": losses, "evaluation": evaluation,
-              "params": {k: v.detach().clone() for k, v in state.items()}, "bound": bound,
+    losses = train_steps(run, model, optimizer, loader, STEPS)
+    result = {"strategy": strategy.name, "meshes": layout_meshes(model), "losses": losses,
+              "evaluation": evaluate_tokens(run, model, tokens(13)),
+              "params": whole_state(run, model), "bound": bound,
               "data_parallel": (strategy.data_parallel_size, strategy.data_parallel_rank)}
     run.close()
     return result

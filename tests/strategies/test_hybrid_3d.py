@@ -8,15 +8,19 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
 from paratrain.models import GPT
-from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.hybrid import HybridOptions
+from paratrain.testing.language import (
+    evaluate_tokens,
+    layout_meshes,
+    token_dataset,
+    train_steps,
+    whole_state,
+)
 from paratrain.testing.numerics import (
     REASSOCIATION,
     TrainingBound,
@@ -32,9 +36,7 @@ def gpt():
 
 
 def tokens(n=48):
-    generator = torch.Generator().manual_seed(7)
-    data = torch.randint(VOCAB, (n, BLOCK + 1), generator=generator)
-    return TensorDataset(data[:, :-1], data[:, 1:])
+    return token_dataset(n, VOCAB, BLOCK)
 
 
 def train(strategy, options, checkpoint_dir=None):
@@ -48,27 +50,14 @@ def train(strategy, options, checkpoint_dir=None):
     model, optimizer = run.prepare(model, optimizer)
     strategy = run.strategy
     loader = run.loader(tokens(), batch_size=GLOBAL_BATCH // strategy.data_parallel_size)
-    losses = []
-    for _, (x, y) in zip(range(STEPS), loader):
-        # (B, vocab, T) logits: the pipeline splits the targets (B, T) with the batch.
-        loss = F.cross_entropy(model(x).transpose(1, 2), y)
-        run.backward(loss)
-        run.step(optimizer)
-        losses.append(run.mean(loss))
+    losses = train_steps(run, model, optimizer, loader, STEPS)
     # 13 held-out sequences: the data-parallel ranks get unequal shares, so a sharded
     # stage's evaluation must pad in lockstep.
-    evaluation = run.evaluate(model, run.eval_loader(tokens(13), batch_size=4),
-                              loss_fn=lambda out, y: F.cross_entropy(out.transpose(1, 2), y,
-                                                                     reduction="sum"))
+    evaluation = evaluate_tokens(run, model, tokens(13))
     saved = run.save(checkpoint_dir) if checkpoint_dir else None
-    state = (strategy.full_state_dict(model) if isinstance(strategy, ShardedState)
-             else model.state_dict())
-    # Which mesh axes the local parameters are DTensors over (none for one process).
-    meshes = {tuple(p.device_mesh.mesh_dim_names) for p in model.parameters()
-              if hasattr(p, "device_mesh")}
-    result = {"losses": losses, "meshes": meshes, "evaluation": evaluation, "params": {k: v.detach().clone() for k, v in state.items()},
-              "saved": saved, "bound": bound, "data_parallel": (strategy.data_parallel_size,
-                                                strategy.data_parallel_rank)}
+    result = {"losses": losses, "meshes": layout_meshes(model), "evaluation": evaluation,
+              "params": whole_state(run, model), "saved": saved, "bound": bound,
+              "data_parallel": (strategy.data_parallel_size, strategy.data_parallel_rank)}
     run.close()
     return result
 

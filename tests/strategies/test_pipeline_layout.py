@@ -2,9 +2,7 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.distributed.spawn import spawn
@@ -19,6 +17,7 @@ from paratrain.strategies.pipeline.layout import (
     ranges_from_points,
     split_model,
 )
+from paratrain.testing.language import evaluate_tokens, token_dataset, train_steps
 from paratrain.testing.numerics import TrainingBound, assert_losses_within, assert_params_within
 
 VOCAB, BLOCK = 11, 8
@@ -29,9 +28,7 @@ def gpt():
 
 
 def tokens(n=48):
-    generator = torch.Generator().manual_seed(3)
-    data = torch.randint(VOCAB, (n, BLOCK + 1), generator=generator)
-    return TensorDataset(data[:, :-1], data[:, 1:])
+    return token_dataset(n, VOCAB, BLOCK, seed=3)
 
 
 def test_block_ranges_follow_the_measured_costs():
@@ -150,20 +147,8 @@ def train(strategy, num_steps, schedule):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     bound = TrainingBound(model, optimizer) if strategy == "single" else None
     model, optimizer = run.prepare(model, optimizer)
-    loader = run.loader(tokens(), batch_size=8)
-    losses = []
-    for _ in run.epochs(1):
-        for step, (x, y) in enumerate(loader):
-            if step == num_steps:
-                break
-            # (B, vocab, T) logits: the pipeline splits the targets (B, T) with the batch.
-            loss = F.cross_entropy(model(x).transpose(1, 2), y)
-            run.backward(loss)
-            run.step(optimizer)
-            losses.append(run.mean(loss))
-    evaluation = run.evaluate(model, run.eval_loader(tokens(13), batch_size=4),
-                              loss_fn=lambda out, y: F.cross_entropy(out.transpose(1, 2), y,
-                                                                     reduction="sum"))
+    losses = train_steps(run, model, optimizer, run.loader(tokens(), batch_size=8), num_steps)
+    evaluation = evaluate_tokens(run, model, tokens(13))
     strategy = run.strategy
     module = (strategy.checkpoint_module(model) if isinstance(strategy, ShardedState)
               else strategy.unwrap(model))
