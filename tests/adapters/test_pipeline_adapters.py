@@ -81,7 +81,7 @@ def test_inputs_that_cannot_cross_the_stages_are_refused():
         prepare_inputs("M", (ids,), {"labels": ids})
 
 
-def refusal_worker(rank, world_size, model_name):
+def refusal(model_name):
     run = paratrain.Run(strategy="pipeline", progress=False, accelerator="cpu")
     try:
         model = Net() if model_name is None else model_layouts.MODELS[model_name].build()
@@ -95,15 +95,18 @@ def refusal_worker(rank, world_size, model_name):
     return None
 
 
+def refusal_worker(rank, world_size, model_names):
+    # One Run after the other in the same processes: one spawn for both cases.
+    return [refusal(name) for name in model_names]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_name, message", [
-    (None, REFUSAL),
-    ("bert", "a pipelined BertForSequenceClassification rebuilds its attention mask on each "
-             "stage and cannot carry padding; pass batches without padding (no "
-             "attention_mask), or train it with dp_shard or dp_replicate"),
-])
-def test_every_rank_refuses_in_one_line_before_any_stage_runs(model_name, message):
-    assert spawn(refusal_worker, 2, model_name, timeout=240) == [message, message]
+def test_every_rank_refuses_in_one_line_before_any_stage_runs():
+    padding = ("a pipelined BertForSequenceClassification rebuilds its attention mask on "
+               "each stage and cannot carry padding; pass batches without padding (no "
+               "attention_mask), or train it with dp_shard or dp_replicate")
+    expected = [REFUSAL, padding]
+    assert spawn(refusal_worker, 2, [None, "bert"], timeout=240) == [expected, expected]
 
 
 @pytest.mark.slow
@@ -112,7 +115,7 @@ def test_every_rank_refuses_in_one_line_before_any_stage_runs(model_name, messag
     ("opt", "pp_1f1b"),
 ])
 def test_hf_pipeline_matches_one_process(model_name, layout):
-    reference = spawn(model_layouts.reference_worker, 1, model_name, timeout=240)[0]
+    reference = model_layouts.reference_worker(0, 1, model_name)  # one process: here
     with tempfile.TemporaryDirectory() as errors:
         results = spawn(model_layouts.cell_worker, 2, model_name, layout, errors, timeout=300)
     # Losses and every stage's parameters within what reordering float32 sums allows.
