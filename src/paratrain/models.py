@@ -123,14 +123,18 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         # A pipeline stage holds only some parts: without the embeddings the input is
         # already the hidden state, without the head the hidden state is the output.
+        # position_ids: the tokens' positions when x is a slice of a longer sequence
+        # (context parallel); 0, 1, 2, ... by default.
         if self.tok_emb is not None:
             if x.shape[1] > self.block_size:
                 raise ValueError(f"sequence of {x.shape[1]} tokens is longer than "
                                  f"block_size={self.block_size}")
-            positions = torch.arange(x.shape[1], device=x.device)
+            positions = (torch.arange(x.shape[1], device=x.device) if position_ids is None
+                         else position_ids)
             x = self.drop(self.tok_emb(x) + self.pos_emb(positions))
         for block in self.blocks:
             x = block(x)
