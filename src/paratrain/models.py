@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.strategies.experts.moe import MoE
 from paratrain.strategies.pipeline.layout import PipelineLayout
 
 __all__ = ["GPT", "convnet", "gpt_bench"]
@@ -70,12 +71,14 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
 
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, experts: int = 0,
+                 top_k: int = 2) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = MLP(n_embd, dropout)
+        self.mlp = MLP(n_embd, dropout) if not experts else MoE(
+            dim=n_embd, hidden=4 * n_embd, num_experts=experts, top_k=top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -88,26 +91,33 @@ class GPT(nn.Module):
     Parts: ``tok_emb`` + ``pos_emb`` -> ``blocks`` (a ``ModuleList``; each has
     ``attn.q``/``k``/``v``, ``attn.proj``, ``mlp.fc``, ``mlp.proj``) -> ``ln_f`` -> ``head``. The
     head is not tied to the token embedding, so a pipeline can put them on different
-    stages. A part set to ``None`` is skipped (see :meth:`pipeline_layout`).
+    stages. A part set to ``None`` is skipped (see :meth:`pipeline_layout`). With
+    ``experts`` > 0 each block's MLP is a mixture of that many experts, ``top_k`` per token
+    (:class:`~paratrain.strategies.experts.moe.MoE`; add
+    ``strategies.experts.moe.balance_loss(model)`` to the loss to keep the router even).
 
         model = GPT(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=128)
         logits = model(tokens)  # tokens: int64 (B, T) with T <= block_size
     """
 
     def __init__(self, *, vocab_size: int, block_size: int, n_layer: int = 4, n_head: int = 4,
-                 n_embd: int = 128, dropout: float = 0.0) -> None:
+                 n_embd: int = 128, dropout: float = 0.0, experts: int = 0,
+                 top_k: int = 2) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("block_size", block_size),
                             ("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(experts, int) or experts < 0:
+            raise ValueError(f"experts must be an integer >= 0 (0: dense MLPs), got {experts!r}")
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be a multiple of n_head={n_head}")
         self.vocab_size, self.block_size = vocab_size, block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, experts, top_k)
+                                    for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.apply(self._init_weights)
