@@ -76,9 +76,11 @@ def test_inputs_that_cannot_cross_the_stages_are_refused():
     with pytest.raises(ValueError, match="^a pipelined M rebuilds its attention mask on each "
                                          "stage and cannot carry padding; pass batches"):
         prepare_inputs("M", (ids,), {"attention_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])})
+    # labels travel to the last stage, for the model's own loss.
+    assert prepare_inputs("M", (), {"input_ids": ids, "labels": ids}) == ((ids,), {"labels": ids})
     with pytest.raises(ValueError, match="^a pipelined M takes the token ids \\(input_ids\\) "
-                                         "only, got labels; compute the loss"):
-        prepare_inputs("M", (ids,), {"labels": ids})
+                                         "and labels only, got position_ids; leave the other"):
+        prepare_inputs("M", (ids,), {"position_ids": ids})
 
 
 def refusal(model_name):

@@ -41,25 +41,19 @@ def decoder_layout(model: nn.Module) -> PipelineLayout | None:
                           after=("model.norm", "lm_head"))
 
 
-def decoder_stage(stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """``LlamaForCausalLM.forward`` for the parts ``stage`` holds (no cache)."""
-    from transformers.masking_utils import create_causal_mask
+_DECODER = PipelineLayout(before=("model.embed_tokens",), blocks="model.layers",
+                          after=("model.norm", "lm_head"))
 
-    inner = stage.model
-    if inner.embed_tokens is not None:
-        hidden = inner.embed_tokens(hidden)
-    positions = _positions(hidden)
-    mask = create_causal_mask(config=inner.config, inputs_embeds=hidden, attention_mask=None,
-                              cache=None, position_ids=positions)
-    rotary = inner.rotary_emb(hidden, position_ids=positions)
-    for layer in inner.layers:
-        hidden = _tensor(layer(hidden, attention_mask=mask, position_embeddings=rotary,
-                               position_ids=positions, use_cache=False))
-    if inner.norm is not None:
-        hidden = inner.norm(hidden)
-    if stage.lm_head is not None:
-        hidden = stage.lm_head(hidden)
-    return hidden
+
+def decoder_stage(stage: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``LlamaForCausalLM.forward`` for the parts ``stage`` holds (no cache): the stage
+    forward of transformers' pipeline plans (:mod:`.hf_pipeline`), for a decoder of this
+    structure whose config ships no plan (its masks per layer kind, its softcapping)."""
+    from paratrain.adapters.hf_pipeline import decoder_stage as plan_stage
+    from paratrain.adapters.hf_pipeline import layer_kinds
+
+    kinds = layer_kinds(getattr(stage, "model_class", type(stage).__name__), stage.model)
+    return plan_stage(stage, hidden, layout=_DECODER, kinds=kinds)
 
 
 # -- OPT (model.decoder.embed_tokens, embed_positions, layers, final_layer_norm; lm_head) ---

@@ -241,13 +241,19 @@ def saved_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_pretrained(directory: str | os.PathLike, module: nn.Module) -> None:
+def load_pretrained(directory: str | os.PathLike, module: nn.Module, *,
+                    partial: bool = False, aliases: dict[str, str] | None = None) -> None:
     """Read a safetensors checkpoint into ``module`` as this rank holds it (collective).
 
     A DTensor parameter reads only its local shard (``get_slice``), so no rank reads
     or holds the whole model. Names, shapes and files are checked first: a mismatch is
     one line naming the first tensor. A tied copy left out of the files (as
     ``transformers`` writes them) is filled by the tensor it shares.
+
+    ``partial``: ``module`` is part of the model (a pipeline stage): it reads its own
+    tensors only, the files' others belong to other ranks. ``aliases``: for a tied copy
+    whose other holder is on another rank (a head on the last stage tied to the
+    embedding on the first), the name the files give the tensor.
 
     Example:
         >>> load_pretrained("gpt2-finetuned/", run.strategy.unwrap(model))  # doctest: +SKIP
@@ -261,7 +267,10 @@ def load_pretrained(directory: str | os.PathLike, module: nn.Module) -> None:
     if any(value.device.type == "meta" for value in state.values()):
         raise ValueError("load_pretrained: the model is still on the meta device; "
                          "pass it through run.prepare() first, which materialises it")
-    problem = _mismatch(state, found)
+    # A tied copy is read under the name the files hold it by.
+    state = {name if name in found else (aliases or {}).get(name, name): value
+             for name, value in state.items()}
+    problem = _mismatch(state, found, partial=partial)
     if problem:
         raise ValueError(f"load_pretrained: {directory} does not match the model: {problem}")
     from paratrain.checkpoint.sharded import _single_process_quiet
@@ -271,12 +280,14 @@ def load_pretrained(directory: str | os.PathLike, module: nn.Module) -> None:
                  no_dist=not dist.is_initialized())
 
 
-def _mismatch(state: dict[str, torch.Tensor], found: dict[str, tuple[int, ...]]) -> str | None:
+def _mismatch(state: dict[str, torch.Tensor], found: dict[str, tuple[int, ...]], *,
+              partial: bool = False) -> str | None:
     missing = [name for name in state if name not in found]
     if missing:
         return (f"it has no tensor {missing[0]!r} ({len(missing)} of the model's "
                 f"{len(state)} missing)")
-    unexpected = [name for name in found if name not in state]
+    # Part of the model (a pipeline stage): the files' other tensors are other ranks'.
+    unexpected = [] if partial else [name for name in found if name not in state]
     if unexpected:
         return f"it holds {unexpected[0]!r}, which the model does not have"
     for name, value in state.items():

@@ -46,7 +46,8 @@ class Pretrained:
     strategy: Strategy
     state: RunState
 
-    def _pretrained_module(self, model: nn.Module | None, action: str) -> tuple[nn.Module, bool]:
+    def _pretrained_module(self, model: nn.Module | None,
+                           action: str) -> tuple[nn.Module, bool, nn.Module]:
         models = self.state.models
         if model is None:
             if len(models) != 1:
@@ -55,7 +56,7 @@ class Pretrained:
                                  f"{action}() needs a prepared model; call run.prepare() first")
             model = models[0]
         partial = isinstance(self.strategy, ShardedState) and self.strategy.partial_model
-        return local_module(self.strategy, model), partial
+        return local_module(self.strategy, model), partial, model
 
     def save_pretrained(self, directory: str | os.PathLike, *, model: nn.Module | None = None,
                         max_shard_size: int | str = "5GB") -> list[str]:
@@ -70,7 +71,7 @@ class Pretrained:
             >>> run.save_pretrained("gpt2-finetuned/")                # doctest: +SKIP
             >>> AutoModelForCausalLM.from_pretrained("gpt2-finetuned/")  # doctest: +SKIP
         """
-        module, partial = self._pretrained_module(model, "save_pretrained")
+        module, partial, _ = self._pretrained_module(model, "save_pretrained")
         written = huggingface.save_pretrained(directory, module, max_shard_size=max_shard_size,
                                               main=self.strategy.topology.is_main,
                                               partial=partial)
@@ -81,9 +82,11 @@ class Pretrained:
                         model: nn.Module | None = None) -> None:
         """Fill the prepared model from a Hugging Face checkpoint (call on every rank).
 
-        Each rank reads only the slices of the shards it holds. With a model built on
-        the meta device (:func:`paratrain.checkpoint.meta_init.empty_weights`), no rank
-        ever holds the whole model under ``fsdp``.
+        Each rank reads only the slices of the shards it holds, and a pipeline stage only
+        its own tensors (a head tied to the embedding of another stage reads the
+        embedding's). With a model built on the meta device
+        (:func:`paratrain.checkpoint.meta_init.empty_weights`), no rank ever holds the
+        whole model under ``fsdp``.
 
         Example:
             >>> with empty_weights():                                  # doctest: +SKIP
@@ -91,6 +94,8 @@ class Pretrained:
             >>> model, optimizer = run.prepare(model, optimizer)       # doctest: +SKIP
             >>> run.load_pretrained("gpt2/")                           # doctest: +SKIP
         """
-        module, _ = self._pretrained_module(model, "load_pretrained")
-        huggingface.load_pretrained(directory, module)
+        module, partial, prepared = self._pretrained_module(model, "load_pretrained")
+        # A pipeline's stage names its copy of a tensor tied across stages (tied_names).
+        huggingface.load_pretrained(directory, module, partial=partial,
+                                    aliases=getattr(prepared, "tied_names", None))
         self.strategy.barrier()

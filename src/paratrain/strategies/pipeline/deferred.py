@@ -10,11 +10,15 @@ afterwards each scalar node of the chain holds its value (the mean over the
 micro-batches, or the sum for a ``reduction="sum"`` loss), so ``loss.item()``
 and ``run.mean(loss)`` work as usual.
 
-Limits: the first operation on the output must be the loss, ``fn(output,
-target, ...)``, whose batch-sized tensor arguments are split into micro-batches
-with the input; what follows must be scalar arithmetic (scaling by constants).
-Other uses of the output in training mode (e.g. ``out.argmax()``) cannot be
-evaluated and raise when read.
+Every recorded operation is replayed on each micro-batch's output: reshapes
+(``out.flatten(0, 1)``, ``out.view(-1, V)``, ``out[:, :-1]``) before the loss, the
+loss ``fn(output, target, ...)``, then scalar arithmetic (scaling by constants).
+A tensor argument is split into micro-batches with the input when its first
+dimension is the batch, or, as a positional argument, ``m`` times the micro-batch
+output's first dimension (a target flattened batch first, ``y.flatten()``). Other
+uses of the output in training mode (e.g. ``out.argmax()``) cannot be evaluated
+and raise when read. The output's shape is known when the strategy knows it (a
+Hugging Face model's logits); otherwise asking for it raises one line.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from paratrain.distributed._compat import (
     tree_map,
 )
 
+_SHAPE = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
+          torch.Tensor.ndimension, torch.Tensor.nelement}
 _READ_OUT = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__float__,
              torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__format__,
              torch.Tensor.__repr__, torch.Tensor.__index__}
@@ -64,13 +70,14 @@ class Node:
             node = node.parent
         return nodes[::-1]
 
-    def call(self, parent_value: torch.Tensor, replace: Callable[[Any], Any] = lambda a: a) -> Any:
-        """Apply this node's operation with the parent's value substituted."""
-        def substitute(arg: Any) -> Any:
-            return parent_value if isinstance(arg, Deferred) else replace(arg)
-
-        args = tree_map(substitute, self.args)
-        kwargs = tree_map(substitute, self.kwargs)
+    def call(self, parent_value: torch.Tensor,
+             replace: Callable[[Any, bool], Any] = lambda a, positional: a) -> Any:
+        """Apply this node's operation with the parent's value substituted;
+        ``replace(arg, positional)`` maps the other arguments (a micro-batch's piece)."""
+        args = tree_map(lambda a: parent_value if isinstance(a, Deferred) else replace(a, True),
+                        self.args)
+        kwargs = tree_map(lambda a: parent_value if isinstance(a, Deferred)
+                          else replace(a, False), self.kwargs)
         return self.func(*args, **kwargs)
 
 
@@ -83,12 +90,17 @@ class Deferred(torch.Tensor):
     """
 
     _node: Node
+    _shape_known: bool
 
     @staticmethod
-    def __new__(cls, node: Node) -> Deferred:
-        # The placeholder answers metadata queries (dtype, device) during recording.
-        tensor = make_tensor_subclass(cls, torch.zeros(()), False)
+    def __new__(cls, node: Node, shape: tuple[int, ...] | None = None,
+                device: torch.device | None = None) -> Deferred:
+        # The placeholder answers metadata queries (dtype, device, and the shape when the
+        # strategy knows it) during recording; expanded, it holds one number.
+        data = torch.zeros((), device=device)
+        tensor = make_tensor_subclass(cls, data if shape is None else data.expand(shape), False)
         tensor._node = node
+        tensor._shape_known = shape is not None
         return tensor
 
     @classmethod
@@ -101,7 +113,15 @@ class Deferred(torch.Tensor):
             resolved = tree_map(lambda a: a._node.value if isinstance(a, Deferred) else a,
                                 (args, kwargs))
             return func(*resolved[0], **resolved[1])
-        if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.is_floating_point:
+        asks_shape = func in _SHAPE or (getattr(func, "__name__", "") == "__get__" and getattr(
+            getattr(func, "__self__", None), "__name__", "") in ("shape", "ndim"))
+        if asks_shape and not all(d._shape_known for d in found):
+            raise ValueError(
+                f"the shape of a pipeline's training output is known only after "
+                f"run.backward(loss) (asked by {getattr(func, '__name__', func)}); write sizes "
+                "taken from it as -1 (out.view(-1, n_classes)) or from the inputs")
+        if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.is_floating_point \
+                or asks_shape:
             # dtype, device, shape, requires_grad: answered by the placeholder.
             with torch_function_disabled():
                 return func(*args, **kwargs)
@@ -127,9 +147,11 @@ class Deferred(torch.Tensor):
         return "Deferred(<computed by the pipeline at run.backward>)"
 
 
-def deferred_output(context: Any) -> Deferred:
-    """The placeholder a pipeline model returns in training mode."""
-    return Deferred(Node(None, context=context))
+def deferred_output(context: Any, shape: tuple[int, ...] | None = None,
+                    device: torch.device | None = None) -> Deferred:
+    """The placeholder a pipeline model returns in training mode (of ``shape`` when the
+    strategy knows the output's shape)."""
+    return Deferred(Node(None, context=context), shape, device)
 
 
 def loss_chain(loss: Any) -> tuple[Node, list[Node]]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.strategies.pipeline.deferred import Deferred, Node, deferred_output, loss_chain
+from paratrain.strategies.pipeline.outputs import OutputSpec
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.bool, torch.uint8)
@@ -37,6 +38,8 @@ class _Forward:
     kwargs: dict
     autocast_dtype: torch.dtype | None
     module: PipelineModule
+    shape: tuple[int, ...] | None = None
+    """The output's shape, when the strategy knows it (a Hugging Face model's logits)."""
 
 
 def microbatches_for(batch_size: int, requested: int, *, looped_ranks: int = 0) -> int:
@@ -76,6 +79,9 @@ class PipelineModule(nn.Module):
             can differ in size, and so would the number of micro-batches that divide them.
         prepare_inputs: ``(args, kwargs) -> (args, kwargs)`` run on every rank before a
             schedule (the inputs the first stage takes; refuses what cannot cross stages).
+        outputs: what the model returns (:class:`~.outputs.OutputSpec`, a Hugging Face
+            model's output object with ``logits`` and ``loss``); None: the last stage's
+            output as it is.
     """
 
     def __init__(self, stage_module: nn.Module, *, chunks: list[nn.Module],
@@ -83,9 +89,13 @@ class PipelineModule(nn.Module):
                  group: dist.ProcessGroup, device: torch.device, schedule: str,
                  num_microbatches: int, sharded: bool = False,
                  prepare_inputs: Callable[[tuple, dict], tuple[tuple, dict]] | None = None,
-                 ) -> None:
+                 outputs: OutputSpec | None = None) -> None:
         super().__init__()
         self.prepare_inputs = prepare_inputs
+        self.outputs = outputs
+        self.tied_names: dict[str, str] = {}
+        """A tied tensor's other names -> the name the full model gives it first (a head
+        on the last stage tied to the embedding: how checkpoints without it name it)."""
         self.sharded = sharded
         self.stage_module = stage_module
         # Not registered: their parameters are stage_module's, under the same names.
@@ -112,12 +122,20 @@ class PipelineModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.prepare_inputs is not None:
             args, kwargs = self.prepare_inputs(args, kwargs)
+        spec = self.outputs
+        labels = kwargs.pop("labels", None) if spec is not None else None
+        if spec is not None:
+            spec.check_labels(labels)  # on every rank, before any stage runs
         if self.training and torch.is_grad_enabled():
             device_type = self.device.type
             dtype = (torch.get_autocast_dtype(device_type)
                      if torch.is_autocast_enabled(device_type) else None)
-            return deferred_output(_Forward(args, kwargs, dtype, self))
-        return self._forward_only(args, kwargs)
+            shape = spec.logits_shape(args[0]) if spec is not None else None
+            output = deferred_output(_Forward(args, kwargs, dtype, self, shape), shape,
+                                     self.device)
+            return output if spec is None else spec.training_output(output, labels)
+        output = self._forward_only(args, kwargs)
+        return output if spec is None else spec.evaluation_output(output, labels)
 
     # -- schedules --------------------------------------------------------------
     def _schedule(self, batch_size: int, num_microbatches: int, train: bool) -> Any:
@@ -170,14 +188,17 @@ class PipelineModule(nn.Module):
         recorded: _Forward = root.context
         batch_size = self._batch_size(recorded.args)
         m = self._microbatches(batch_size)
-        split: dict[int, list[Any]] = {}
-        for node in chain:
-            for value in (*node.args, *node.kwargs.values()):
-                if isinstance(value, torch.Tensor) and not isinstance(value, Deferred):
-                    split.setdefault(id(value), _split(value, batch_size, m))
-        summed = any(node.kwargs.get("reduction") == "sum" for node in chain)
-        self._step = {"chain": chain, "split": split, "scale": 1.0 if summed else 1.0 / m,
-                      "records": [{} for _ in chain]}
+        # A mean loss per micro-batch is scaled by 1/m; a sum (reduction="sum", or the
+        # model's own loss divided by the whole batch's token count) is not.
+        summed = any(node.kwargs.get("reduction") == "sum"
+                     or getattr(node.func, "sums_microbatches", False) for node in chain)
+        self._step = {"chain": chain, "batch": batch_size, "m": m,
+                      "scale": 1.0 if summed else 1.0 / m, "records": [{} for _ in chain]}
+        if recorded.shape is not None:
+            # Every rank replays the chain on one micro-batch's shapes first: a loss that
+            # cannot be replayed is refused everywhere, not by the last stage alone.
+            meta = torch.empty((recorded.shape[0] // m, *recorded.shape[1:]), device="meta")
+            self._replay(meta, 0, meta=True)
         schedule = self._schedule(batch_size, m, train=True)
         autocast = (torch.autocast(self.device.type, dtype=recorded.autocast_dtype)
                     if recorded.autocast_dtype is not None else torch.autocast(
@@ -193,17 +214,48 @@ class PipelineModule(nn.Module):
         # in run_step. A stage's first step also calls this once to infer shapes;
         # keying records by index lets the real call for micro-batch 0 overwrite it.
         index = int(target)
-        step = self._step
-        split = step["split"]
-        value = output
-        for node, records in zip(step["chain"], step["records"]):
-            value = node.call(value, lambda a: split[id(a)][index] if id(a) in split else a)
-            records[index] = value.detach()
-        if value.dim() != 0:
-            raise ValueError("the pipeline loss must be a scalar (reduce it with mean or sum)")
+        value = self._replay(output, index)
         # The schedule backpropagates each micro-batch's loss separately; 1/m makes
         # their sum the gradient of the batch mean.
-        return value * step["scale"]
+        return value * self._step["scale"]
+
+    def _piece(self, arg: Any, positional: bool, parent: torch.Tensor, index: int,
+               meta: bool) -> Any:
+        """Micro-batch ``index``'s piece of a recorded argument: split along dim 0 when
+        that is the batch, or (positional) ``m`` times the micro-batch value's dim 0."""
+        if not isinstance(arg, torch.Tensor) or isinstance(arg, Deferred) or arg.dim() == 0:
+            return arg
+        rows, m = arg.shape[0], self._step["m"]
+        if rows == self._step["batch"] or (positional and parent.dim() >= 1
+                                           and rows == m * parent.shape[0]):
+            arg = torch.tensor_split(arg, m)[index]
+        return arg.to("meta") if meta else arg
+
+    def _replay(self, value: torch.Tensor, index: int, meta: bool = False) -> torch.Tensor:
+        """The recorded chain on micro-batch ``index``'s output ``value``."""
+        for node, records in zip(self._step["chain"], self._step["records"]):
+            parent = value
+            try:
+                value = node.call(parent, lambda a, positional, parent=parent: self._piece(
+                    a, positional, parent, index, meta))
+            except (RuntimeError, ValueError, IndexError, TypeError,
+                    NotImplementedError) as exc:
+                if meta and (isinstance(exc, NotImplementedError) or "meta" in str(exc)
+                             or "data-dependent" in str(exc)):
+                    return value  # no meta kernel (data-dependent): the real replay decides
+                name = getattr(node.func, "__name__", repr(node.func))
+                detail = str(exc).strip().splitlines()[0] if str(exc).strip() else \
+                    type(exc).__name__
+                raise ValueError(
+                    f"the pipeline replays {name} on each micro-batch ({self._step['m']} of "
+                    f"{self._step['batch']} samples) and it failed: {detail}; take sizes from "
+                    "the output as -1 (out.view(-1, V)) and give targets batch first, split "
+                    "like the input (y, y.flatten(), y[:, 1:])") from None
+            if not meta:
+                records[index] = value.detach()
+        if value.dim() != 0:
+            raise ValueError("the pipeline loss must be a scalar (reduce it with mean or sum)")
+        return value
 
     def _resolve(self, chain: list[Node], summed: bool) -> None:
         # Row 0: the values; row 1: 1 where the node is a scalar (a NaN loss is a value

@@ -67,6 +67,7 @@ from paratrain.strategies.pipeline.adapted import (
 )
 from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
+from paratrain.strategies.pipeline.outputs import OutputSpec
 from paratrain.strategies.pipeline.split_stages import (
     check_split_options,
     split_stage,
@@ -169,6 +170,7 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
         self._ties: TiedCopies | None = None  # tied parameters on several stages
         self._prepare_inputs: Callable[[tuple, dict], tuple[tuple, dict]] | None = None
         self._adapted_blocks: str | None = None  # the blocks of an AdaptedStage
+        self._outputs: OutputSpec | None = None  # what a Hugging Face model returns
         self._sync_disabled = False
 
     def notice(self) -> str | None:
@@ -229,7 +231,9 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
                                    schedule=self.options.schedule,
                                    num_microbatches=self.options.num_microbatches,
                                    sharded=self.mesh.degrees.shard_degree > 1,
-                                   prepare_inputs=self._prepare_inputs)
+                                   prepare_inputs=self._prepare_inputs,
+                                   outputs=self._outputs)
+            model.tied_names = {n: a for n, a in aliases.items() if n != a}
         elif self._compile is not None:
             compile_forward(model, self._compile)
         self._names.update(names)
@@ -260,6 +264,7 @@ class PipelineStrategy(Strategy, ShardedState, PrecisionPolicy, LockstepEvaluati
             if isinstance(model, AdaptedStage):
                 self._prepare_inputs = partial(prepare_inputs, model.model_class)
                 self._adapted_blocks = layout.blocks
+                self._outputs = model.outputs
         return split_model(model, layout, num_stages=stages, stage_indices=indices,
                            split_points=self.options.split_points, device=self.topology.device,
                            agree=self._agree)
