@@ -5,10 +5,11 @@ communication backwards), both exact: the result is softmax attention over the w
 sequence, up to the order of float sums.
 
 * **Ring** (:func:`ring_attention`): queries stay; keys and values travel around the
-  ring of cp ranks, one neighbour shift per step (``cp - 1`` shifts forward, as many
-  backward). Each step scores the local queries against the visiting block; the softmax
-  is taken over all blocks at the end (log-sum-exp), so no rank ever holds the whole
-  sequence's keys, and a rank's score memory is ``1/cp`` of one process's. Query/key
+  ring of cp ranks, one neighbour shift per step (``cp - 1`` shifts forward; backward,
+  K/V go round again with their gradients, ``2 cp - 1`` shifts). Each step folds the
+  visiting block's scores into a running output and log-sum-exp (online softmax) and
+  drops them; only the local q, k, v, output and log-sum-exp are kept for backward, so
+  a rank holds ``1/cp`` of one process's attention memory, as a flash kernel would. Query/key
   chunk pairs that the causal mask hides entirely are skipped: with the load-balanced
   order (:mod:`.sequence`) every rank scores the same number of pairs.
 * **All-to-all** (:func:`all_to_all_attention`, the Ulysses scheme): one all-to-all
@@ -31,21 +32,8 @@ from paratrain.strategies.context.sequence import SequenceOrder
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class _RingShift(torch.autograd.Function):
-    """Send a tensor to the next rank of the ring, receive the previous rank's; the
-    gradient goes the other way."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _shift(tensor, group, 1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _shift(grad, ctx.group, -1), None
-
-
 def _shift(tensor: torch.Tensor, group: Any, step: int) -> torch.Tensor:
+    """Send ``tensor`` ``step`` ranks ahead on the ring, receive from ``step`` behind."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     tensor = tensor.contiguous()
     received = torch.empty_like(tensor)
@@ -68,10 +56,107 @@ def _repeat_kv(query: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if groups == 1 else tensor.repeat_interleave(groups, dim=-3)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, q_range: tuple[int, int],
+            k_range: tuple[int, int], causal: bool) -> torch.Tensor | None:
+    """Scores of a (pre-scaled) query chunk against a key chunk, the causal mask applied;
+    None when the mask hides the whole block."""
+    (q_start, q_stop), (k_start, k_stop) = q_range, k_range
+    if causal and k_start >= q_stop:
+        return None
+    block = q @ k.transpose(-1, -2)
+    if causal and k_stop - 1 > q_start:
+        hidden = (torch.arange(k_start, k_stop, device=q.device)[None, :]
+                  > torch.arange(q_start, q_stop, device=q.device)[:, None])
+        block = block.masked_fill(hidden, float("-inf"))
+    return block
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    # A row no visible key has reached yet keeps -inf; it must scale by 0, not NaN.
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention that saves only its inputs, output and log-sum-exp (flash-style).
+
+    Forward: for each visiting K/V block, the local queries' scores are computed, folded
+    into the running output and log-sum-exp (online softmax), and dropped. Backward: K/V
+    go round the ring again, each block's probabilities are recomputed from the saved
+    log-sum-exp, and the block's dK/dV travel with it, one hop more, back to its owner.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                group: Any, order: SequenceOrder, causal: bool, scale: float) -> torch.Tensor:
+        rank = dist.get_rank(group)
+        q_ranges = order.chunk_ranges(rank)
+        q_chunks = _split(query * scale, q_ranges)
+        outs = [torch.zeros_like(q) for q in q_chunks]
+        lses = [q.new_full((*q.shape[:-1], 1), float("-inf")) for q in q_chunks]
+        kv = torch.stack((key, value))
+        for step in range(order.cp):
+            if step:
+                kv = _shift(kv, group, 1)
+            k_ranges = order.chunk_ranges((rank - step) % order.cp)
+            for i, (q_range, q) in enumerate(zip(q_ranges, q_chunks)):
+                for k_range, k, v in zip(k_ranges, _split(kv[0], k_ranges),
+                                         _split(kv[1], k_ranges)):
+                    block = _scores(q, k, q_range, k_range, causal)
+                    if block is None:
+                        continue
+                    lse = torch.logaddexp(lses[i], torch.logsumexp(block, -1, keepdim=True))
+                    safe = _finite(lse)
+                    outs[i] = outs[i] * torch.exp(lses[i] - safe) + torch.exp(block - safe) @ v
+                    lses[i] = lse
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-2)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.group, ctx.order, ctx.causal, ctx.scale = group, order, causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        query, key, value, out, lse = ctx.saved_tensors
+        group, order, causal, scale = ctx.group, ctx.order, ctx.causal, ctx.scale
+        rank = dist.get_rank(group)
+        q_ranges = order.chunk_ranges(rank)
+        q_chunks = _split(query * scale, q_ranges)
+        d_outs = _split(grad_out.contiguous(), q_ranges)
+        lses = [_finite(x) for x in _split(lse, q_ranges)]
+        # D = rowsum(dO * O): the softmax backward's correction term.
+        corrections = [(d * o).sum(-1, keepdim=True)
+                       for d, o in zip(d_outs, _split(out, q_ranges))]
+        d_queries = [torch.zeros_like(q) for q in q_chunks]
+        kv = torch.stack((key, value))
+        d_kv = torch.zeros_like(kv)
+        for step in range(order.cp):
+            if step:
+                kv, d_kv = _shift(kv, group, 1), _shift(d_kv, group, 1)
+            k_ranges = order.chunk_ranges((rank - step) % order.cp)
+            blocks = zip(k_ranges, _split(kv[0], k_ranges), _split(kv[1], k_ranges),
+                         _split(d_kv[0], k_ranges), _split(d_kv[1], k_ranges))
+            for k_range, k, v, d_k, d_v in blocks:
+                for i, (q_range, q) in enumerate(zip(q_ranges, q_chunks)):
+                    block = _scores(q, k, q_range, k_range, causal)
+                    if block is None:
+                        continue
+                    probs = torch.exp(block - lses[i])
+                    d_v += probs.transpose(-1, -2) @ d_outs[i]
+                    d_scores = probs * (d_outs[i] @ v.transpose(-1, -2) - corrections[i])
+                    d_queries[i] += d_scores @ k
+                    d_k += d_scores.transpose(-1, -2) @ q
+        if order.cp > 1:
+            d_kv = _shift(d_kv, group, 1)  # the last hop: each block's gradient home
+        d_query = torch.cat(d_queries, dim=-2) * scale
+        return d_query, d_kv[0], d_kv[1], None, None, None, None
+
+
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                    group: Any, order: SequenceOrder, causal: bool,
                    scale: float | None = None) -> torch.Tensor:
     """Attention of the local queries over the whole sequence, K/V passed round the ring.
+
+    Saves for backward only the local q, k, v, output and log-sum-exp: a rank's attention
+    memory is ``1/cp`` of one process's, as with a flash kernel.
 
     Args:
         query, key, value: ``(..., heads, local_length, head_dim)`` this rank's part of the
@@ -84,43 +169,12 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     Returns:
         ``(..., heads, local_length, head_dim)``, the local queries' outputs.
     """
-    rank = dist.get_rank(group)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     dtype = query.dtype
     compute = torch.float32 if dtype in _LOW_PRECISION else dtype
-    query = query.to(compute)
-    key, value = _repeat_kv(query, key).to(compute), _repeat_kv(query, value).to(compute)
-    q_ranges = order.chunk_ranges(rank)
-    q_chunks = _split(query * scale, q_ranges)
-    scores: list[list[torch.Tensor]] = [[] for _ in q_chunks]
-    values: list[list[torch.Tensor]] = [[] for _ in q_chunks]
-    both = torch.stack((key, value))
-    for step in range(order.cp):
-        if step:
-            both = _RingShift.apply(both, group)
-        k_ranges = order.chunk_ranges((rank - step) % order.cp)
-        k_chunks, v_chunks = _split(both[0], k_ranges), _split(both[1], k_ranges)
-        for i, ((q_start, q_stop), q) in enumerate(zip(q_ranges, q_chunks)):
-            for (k_start, k_stop), k, v in zip(k_ranges, k_chunks, v_chunks):
-                if causal and k_start >= q_stop:
-                    continue  # every key after every query: hidden entirely
-                block = q @ k.transpose(-1, -2)
-                if causal and k_stop - 1 > q_start:
-                    q_pos = torch.arange(q_start, q_stop, device=block.device)
-                    k_pos = torch.arange(k_start, k_stop, device=block.device)
-                    block = block.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-                scores[i].append(block)
-                values[i].append(v)
-    outputs = []
-    for blocks, vs in zip(scores, values):
-        # The softmax over all visited blocks at once: log-sum-exp of the whole row.
-        total = torch.logsumexp(torch.cat(blocks, dim=-1), dim=-1, keepdim=True)
-        outputs.append(sum(torch.exp(b - total) @ v for b, v in zip(blocks, vs)))
-    out = torch.cat(outputs, dim=-2)
-    # Every rank must run every shift's backward (its neighbours wait for it), also one
-    # whose causal mask hid all of the last visiting block: an exact-zero term keeps the
-    # last shift in the graph on every rank.
-    out = out + 0.0 * both.sum()
+    key, value = _repeat_kv(query, key), _repeat_kv(query, value)
+    out = _RingAttention.apply(query.to(compute), key.to(compute), value.to(compute), group,
+                               order, causal, scale)
     return out.to(dtype)
 
 
