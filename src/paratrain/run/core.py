@@ -109,6 +109,8 @@ class Run(TrainStep, Metrics, Pretrained):
         self.state = RunState(config=self.config, topology=self.topology,
                               strategy=self.strategy, precision=self.precision,
                               print_fn=self.print, trackers=self.reporter.trackers)
+        if self.reporter.trackers is not None:  # a checkpoint tells trackers its step
+            self.reporter.trackers.current_step = lambda: self.global_step
         self._init_step_checks()
         self.epoch_stats: list[dict[str, float]] = []
         self._micro_step = 0

@@ -23,27 +23,46 @@ class Metrics:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, loader: Iterable[Any], *, loss_fn: Any = None,
                  batch_fn: Any = None) -> dict:
-        """Loss and accuracy of a classifier over ``loader``, exact across ranks.
+        """Loss and accuracy of a classifier or language model over ``loader``, exact
+        across ranks.
 
         Sums and counts are reduced, not per-rank means, so the result equals the
-        single-process one even when ranks hold different numbers of samples.
-        Batches: ``(inputs, labels)``, a dict naming both, or ``batch_fn(batch)``'s pair.
+        single-process one even when ranks hold different numbers of samples or tokens.
+        Batches: ``(inputs, labels)``, a dict (every key the model's ``forward`` takes
+        goes in: ``model(**batch)``), or ``batch_fn(batch)``'s pair; outputs: logits or
+        an object with ``.logits`` (Hugging Face). Labels of -100 are not counted, and a
+        causal LM's token labels are shifted by one, as its own loss does
+        (:mod:`paratrain.run.evaluation`). ``loss_fn(logits, labels)`` returns a summed loss.
+
+        Example::
+
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+            result = run.evaluate(model, run.eval_loader(dataset, batch_size=8))
+            run.print(result["loss"], result["accuracy"], result["count"])
         """
-        loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out, y, reduction="sum"))
         module = self.strategy.unwrap(model)
         was_training = module.training
         module.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         # Sharded strategies run uncounted stand-in batches so every rank's forward
         # (which communicates) runs equally often.
-        for (x, y), counted in evaluation.pairs(self.strategy, loader, batch_fn):
-            out = self.precision.forward(module, x)
+        for call, counted in evaluation.calls(self.strategy, module, loader, batch_fn):
+            out = self.precision.forward(module, *call.args, **call.kwargs)
             if not counted:
                 continue
             # whole(): vocabulary-sharded logits (tp's loss_parallel) are DTensors.
-            totals[0] += whole(loss_fn(out.float(), y)).double()
-            totals[1] += (whole(out.argmax(dim=-1)) == y).sum()
-            totals[2] += y.numel()
+            logits, y = whole(evaluation.logits_of(out)), call.labels
+            if loss_fn is not None:
+                totals[0] += whole(loss_fn(logits.float(), y)).double()
+                totals[1] += (logits.argmax(dim=-1) == y).sum()
+                totals[2] += y.numel()
+                continue
+            logits, y = evaluation.align(module, logits, y)
+            kept = y != evaluation.IGNORE_INDEX
+            totals[0] += F.cross_entropy(logits.float(), y, reduction="sum",
+                                         ignore_index=evaluation.IGNORE_INDEX).double()
+            totals[1] += (logits.argmax(dim=-1)[kept] == y[kept]).sum()
+            totals[2] += kept.sum()
         module.train(was_training)
         loss_sum, correct, count = self.strategy.all_reduce(totals, "sum").tolist()
         misuse.check_evaluated(count)

@@ -57,6 +57,12 @@ class Tracker:
     def flush(self) -> None:
         """Make what :meth:`log` received durable (called before a checkpoint is written)."""
 
+    def checkpoint(self, step: int | None) -> None:
+        """Before a checkpoint at global ``step`` (None: unknown): every row of an earlier
+        step must be durable. No later row has an earlier step; rows of ``step`` itself may
+        still come. The default calls :meth:`flush`."""
+        self.flush()
+
     def finish(self, *, failed: bool) -> None:
         """Close the tracker run; ``failed`` when the run ends with an exception."""
 

@@ -78,6 +78,8 @@ class TrackerHub:
         self._memory = memory
         self.timeout_s = timeout_s
         """How long a checkpoint or ``close`` waits for a tracker to catch up."""
+        self.current_step: Callable[[], int] | None = None
+        """The run's global step, read at a checkpoint (``Run`` sets it)."""
 
     def __bool__(self) -> bool:
         return bool(self._workers)
@@ -96,7 +98,8 @@ class TrackerHub:
         """Each tracker's run id, once everything logged so far is in the tracker."""
         if not self._workers:
             return None
-        events = [worker.put(("flush", threading.Event())) for worker in self._workers]
+        step = self.current_step() if self.current_step is not None else None
+        events = [worker.put(("flush", (threading.Event(), step))) for worker in self._workers]
         for worker, event in zip(self._workers, events):
             deadline = time.monotonic() + self.timeout_s
             # In slices: a tracker that fails meanwhile never sets its event.
@@ -151,7 +154,7 @@ class _Worker:
         except queue.Full:
             self.fail(f"is {_BACKLOG} calls behind (a slow or unreachable server?)")
             return None
-        return item[1] if item[0] == "flush" else None
+        return item[1][0] if item[0] == "flush" else None
 
     def join(self, timeout_s: float) -> None:
         if self._thread is not None and not self.failed:  # a failed one is not waited for
@@ -179,7 +182,7 @@ class _Worker:
                           else f"failed ({type(exc).__name__})")
             finally:
                 if op == "flush":
-                    arg.set()
+                    arg[0].set()
             if op == "close":
                 return
 
@@ -196,8 +199,8 @@ class _Worker:
                 self._start(None)
             if op == "log":
                 self._log(*arg)
-            else:  # flush
-                self.tracker.flush()
+            else:  # flush, before a checkpoint at step arg[1]
+                self.tracker.checkpoint(arg[1])
                 self.state = self.tracker.state()
 
     def _start(self, resume: dict[str, Any] | None) -> None:

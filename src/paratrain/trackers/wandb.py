@@ -3,12 +3,20 @@
 Online it needs ``wandb login`` (or ``WANDB_API_KEY``); ``WANDB_MODE=offline`` (or
 ``mode="offline"``) writes the run under ``<dir>/wandb/offline-run-*`` for a later
 ``wandb sync``. A resumed run passes the same ``id`` with ``resume="allow"``.
+
+Checkpoints: W&B keeps the newest step's row open (a later row may join it) and its
+service writes the run's ``.wandb`` file every few seconds, so a SIGKILL lost every row
+since the last write. Here rows are merged per step and sent when the step advances;
+before a checkpoint at step S the open row of an earlier step is sent too, and the
+checkpoint waits until the ``.wandb`` file holds it (written every 0.25 s), so every
+step before S survives a SIGKILL, offline and online.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,14 @@ class WandbTracker(Tracker):
         self.dir = dir
         self.tags = list(tags or [])
         self.run: Any = None
+        self._open: tuple[int, dict[str, float]] | None = None  # (step, row) not yet sent
+        self._sent = -1  # the last step sent to W&B
+
+    durable_within_s = 20.0
+    """How long a checkpoint waits for W&B's service to write the rows before it."""
+
+    flush_interval_s = 0.25
+    """How often W&B's service writes its ``.wandb`` file (its default is 15 s)."""
 
     def start(self, *, params: dict[str, Any], directory: Path,
               resume: dict[str, Any] | None) -> dict[str, int] | None:
@@ -53,8 +69,10 @@ class WandbTracker(Tracker):
             dir=str(root), tags=self.tags or None, config=params,
             id=resume["id"] if resumed else None, resume="allow" if resumed else None,
             # Training prints its own lines; W&B must not take over stdout/stderr.
-            settings=wandb.Settings(console="off"),
+            settings=_settings(wandb, console="off",
+                               x_transaction_log_flush_interval=self.flush_interval_s),
         )
+        self._open, self._sent = None, -1
         if not resumed:
             return None
         # Offline, earlier attempts of this run are other folders, read back per metric
@@ -72,18 +90,58 @@ class WandbTracker(Tracker):
         return marks or None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(metrics, step=step)
+        if self._open is not None and self._open[0] == step:
+            self._open[1].update(metrics)
+            return
+        self._send()
+        self._open = (step, dict(metrics))
+
+    def _send(self) -> None:
+        """Send the open row, committed: W&B's client then hands it to its service."""
+        if self._open is not None:
+            step, row = self._open
+            self.run.log(row, step=step, commit=True)
+            self._sent, self._open = step, None
+
+    def checkpoint(self, step: int | None) -> None:
+        """Send the open row when it is of a step before ``step`` (no row of it can come
+        any more), then wait until the run's ``.wandb`` file holds every sent step."""
+        if self._open is not None and step is not None and self._open[0] < step:
+            self._send()
+        if self._sent < 0:
+            return
+        path = Path(self.run.dir).parent / f"run-{self.run.id}.wandb"
+        deadline = time.monotonic() + self.durable_within_s
+        while path.exists():  # absent: W&B writes no transaction log (x_skip_transaction_log)
+            written = [s for s, _ in history(path)]
+            if written and written[-1] >= self._sent:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"W&B did not write step {self._sent} to {path} within "
+                                   f"{self.durable_within_s:g} s before a checkpoint")
+            time.sleep(0.05)
 
     def state(self) -> dict[str, Any]:
         return {"id": self.run.id} if self.run is not None else {}
 
     def finish(self, *, failed: bool) -> None:
         if self.run is not None:
+            self._send()
             self.run.finish(exit_code=1 if failed else 0)
             self.run = None
 
     def __repr__(self) -> str:
         return f"WandbTracker(project={self.project!r}, mode={self.mode!r})"
+
+
+def _settings(wandb: Any, **fields: Any) -> Any:
+    """``wandb.Settings(**fields)``, leaving out the flush interval where the installed
+    client has no such setting (before W&B 0.22)."""
+    try:
+        return wandb.Settings(**fields)
+    except Exception:  # noqa: BLE001 - pydantic's ValidationError for an unknown field
+        fields.pop("x_transaction_log_flush_interval", None)
+        return wandb.Settings(**fields)
 
 
 def offline_files(root: str | Path, run_id: str) -> list[Path]:

@@ -64,6 +64,15 @@ def _resume_factorizations(args: argparse.Namespace) -> list[Factorization]:
     return list(dict.fromkeys(Factorization.parse(item) for item in items))
 
 
+def _one_line(exc: WorkerFailed) -> str:
+    """``rank 0 raised ValueError: ...``: the rank and its error, not the traceback
+    (``PARATRAIN_TRACEBACK=1`` keeps it all)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if os.environ.get("PARATRAIN_TRACEBACK") == "1" or len(lines) < 2:
+        return str(exc)
+    return f"{lines[0].rstrip(':')} {lines[-1].strip()}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain verify", description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -132,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"paratrain verify: {exc}", file=sys.stderr)
         return 2
     except WorkerFailed as exc:
-        print(f"paratrain verify: a multi-process probe failed: {exc}", file=sys.stderr)
+        print(f"paratrain verify: a multi-process probe failed: {_one_line(exc)}",
+              file=sys.stderr)
         return 2
     print(report.format())
     return 0 if report.ok else 1

@@ -21,7 +21,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain.config import PRECISIONS
+from paratrain.distributed.dtensor import whole
 from paratrain.run.core import Run
+from paratrain.strategies.capabilities import local_module
 
 VARIANT_FLAGS = ("frozen-batchnorm", "no-dropout")
 """Diagnostic changes to the model: BatchNorm uses running statistics, dropout is off."""
@@ -225,8 +227,9 @@ def run_probe(setup: ProbeSetup, factorization: Factorization, variant: frozense
               environ: dict[str, str] | None = None) -> dict[str, Any]:
     """Train ``setup`` for ``num_steps`` optimizer steps under ``factorization``.
 
-    Returns the sample fingerprints per step and, on rank 0, the parameter names,
-    the gradients seen by the optimizer at each step and the final parameters.
+    Returns the sample fingerprints per step, the rank's data-parallel rank, and the names,
+    gradients seen by the optimizer at each step and final parameters of the parameters
+    the rank holds, as whole plain tensors.
     """
     one = factorization.world_size == 1
     run = Run(strategy="single" if one else setup.strategy,
@@ -241,12 +244,19 @@ def run_probe(setup: ProbeSetup, factorization: Factorization, variant: frozense
         _apply_variant(model, variant)
         optimizer = torch.optim.SGD(model.parameters(), lr=setup.lr)
         model, optimizer = run.prepare(model, optimizer)
-        params = list(run.strategy.unwrap(model).named_parameters())
+        # local_module: a pipeline stage's parameters under their names in the whole model.
+        params = list(local_module(run.strategy, model).named_parameters())
         grads: list[list[torch.Tensor]] = []
+        # Every rank records: whole() gathers a sharded (fsdp, zero2) or tensor-parallel
+        # gradient, a collective its peers join; a pipeline rank holds its stage's only.
         optimizer.register_step_pre_hook(lambda *_: grads.append(
-            [p.grad.detach().cpu().clone() if p.grad is not None else torch.zeros_like(p, device="cpu")
+            [_whole_cpu(p.grad) if p.grad is not None else torch.zeros(p.shape)
              for _, p in params]))
-        loader = setup.loader_fn(run, setup.data_fn(), factorization.micro_batch)
+        # The global batch is the factorization's: ranks that read one batch together
+        # (pipeline stages, tensor-parallel peers) read their peers' share too.
+        readers = run.strategy.data_parallel_size
+        micro_batch = factorization.micro_batch * factorization.world_size // readers
+        loader = setup.loader_fn(run, setup.data_fn(), micro_batch)
         seen: dict[int, list[torch.Tensor]] = {}
         for _ in run.epochs(10**9):
             num_batches = 0
@@ -261,14 +271,19 @@ def run_probe(setup: ProbeSetup, factorization: Factorization, variant: frozense
                 break
             if num_batches == 0:
                 raise ValueError("the probe's loader yielded no batches; give verify more data")
-        result: dict[str, Any] = {"samples": {step: torch.cat(parts) for step, parts in seen.items()}}
-        if run.is_main:
-            result["names"] = [name for name, _ in params]
-            result["grads"] = grads
-            result["params"] = [p.detach().cpu().clone() for _, p in params]
-        return result
+        return {"samples": {step: torch.cat(parts) for step, parts in seen.items()},
+                # Ranks that read the same batch (tensor-parallel peers, pipeline stages)
+                # share a data-parallel rank: their samples count once.
+                "data_rank": run.strategy.data_parallel_rank,
+                "names": [name for name, _ in params], "grads": grads,
+                "params": [_whole_cpu(p) for _, p in params]}
     finally:
         run.close()
+
+
+def _whole_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain CPU copy of a parameter or gradient, gathered whole when it is a DTensor."""
+    return whole(tensor.detach()).cpu().clone()
 
 
 def probe_worker(rank: int, world_size: int, setup: ProbeSetup,

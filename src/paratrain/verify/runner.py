@@ -114,20 +114,39 @@ def _rel_diff(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return worst if worst == worst else float("inf")  # nan counts as a mismatch
 
 
+def _whole_model(ranks: list[dict[str, Any]], names: list[str]) -> dict[str, Any] | None:
+    """Gradients per step and final parameters in the order of ``names``, each taken from
+    the first rank that holds it (pipeline stages hold different parameters, data-parallel
+    peers the same ones, gathered whole); None when the names or step counts differ."""
+    where: dict[str, tuple[int, int]] = {}
+    for rank, result in enumerate(ranks):
+        for index, name in enumerate(result["names"]):
+            where.setdefault(name, (rank, index))
+    steps = {len(r["grads"]) for r in ranks}
+    if sorted(where) != sorted(names) or len(steps) != 1:
+        return None
+    places = [where[name] for name in names]
+    return {"grads": [[ranks[rank]["grads"][step][index] for rank, index in places]
+                      for step in range(steps.pop())],
+            "params": [ranks[rank]["params"][index] for rank, index in places]}
+
+
 def _compare(ranks: list[dict[str, Any]], reference: dict[str, Any]) -> tuple[float, float, bool]:
-    main = ranks[0]
-    if len(main["grads"]) != len(reference["grads"]):
-        grad = float("inf")
+    main = _whole_model(ranks, reference["names"])
+    if main is None or len(main["grads"]) != len(reference["grads"]):
+        grad = param = float("inf")
     else:
         grad = max((_rel_diff(g, r) for g, r in zip(main["grads"], reference["grads"])),
                    default=0.0)
-    param = _rel_diff(main["params"], reference["params"])
-    data = reference["samples"].keys() == main["samples"].keys()
+        param = _rel_diff(main["params"], reference["params"])
+    # Ranks that read the same batch (one data-parallel rank) count their samples once.
+    readers = list({r["data_rank"]: r for r in ranks}.values())
+    data = all(reference["samples"].keys() == r["samples"].keys() for r in readers)
     for step, expected in reference["samples"].items():
         if not data:
             break
-        merged = torch.cat([r["samples"].get(step, torch.zeros(0)) for r in ranks]).sort().values
-        expected = expected.sort().values
+        merged = torch.cat([r["samples"].get(step, torch.zeros(0)) for r in readers])
+        merged, expected = merged.sort().values, expected.sort().values
         scale = max(expected.abs().max().item() if expected.numel() else 1.0, 1.0)
         data = merged.shape == expected.shape and bool(
             ((merged - expected).abs() <= 1e-9 * scale).all())
