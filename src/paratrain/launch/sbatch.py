@@ -198,8 +198,12 @@ def _launcher() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``paratrain slurm``; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(argv[:argv.index("--")] if "--" in argv else argv):
+        build_parser().print_help()  # help needs no launch command
+        return 0
     try:
-        mine, command = _split(sys.argv[1:] if argv is None else argv)
+        mine, command = _split(argv)
         args, extra = build_parser().parse_known_args(mine)
         text = render(args, extra, command, launcher=_launcher())
         path = os.path.abspath(args.write or f"{job_name(args, command)}.sbatch")

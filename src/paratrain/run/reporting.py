@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -40,7 +41,8 @@ class MetricsLog:
         row = {"step": step, **{k: _plain(v) for k, v in row.items()}}
         if self.path is not None and self.path.suffix == ".jsonl":
             with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+                # default=str: a value JSON has no type for is written as its text, as in CSV.
+                f.write(json.dumps(row, default=str) + "\n")
         elif self.path is not None:
             self._write_csv(row)
         if self._writer is not None:
@@ -69,7 +71,11 @@ class MetricsLog:
 
 
 def _plain(value: Any) -> Any:
+    """A Python number for a one-element tensor or a NumPy scalar/array (JSON cannot
+    write ``np.float32``); anything else as it is."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if isinstance(value, (np.ndarray, np.generic)) and value.size == 1:
         return value.item()
     return value
 
@@ -93,13 +99,17 @@ class Reporter:
         self.log_interval_s = log_interval_s
         self._bar: tqdm | None = None
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
+    def print(self, *args: Any, sep: str | None = " ", end: str | None = "\n",
+              file: Any = None, flush: bool = True) -> None:
+        """``print`` on the main rank (its keyword arguments too), above a progress bar."""
         if not self.is_main:
             return
         if self._bar is not None:
-            tqdm.write(" ".join(str(a) for a in args), file=sys.stdout)
+            text = (" " if sep is None else sep).join(str(a) for a in args)
+            tqdm.write(text, file=file or sys.stdout, end="\n" if end is None else end)
         else:
-            print(*args, **kwargs, flush=True)
+            # flush: the rank-0 lines interleave with other ranks' output in one log.
+            print(*args, sep=sep, end=end, file=file, flush=flush)
 
     def log(self, row: dict[str, Any], *, step: int,
             live: Callable[[], dict[str, Any]] | None = None) -> None:
