@@ -28,7 +28,8 @@ from paratrain.distributed.spawn import spawn  # noqa: E402
 from paratrain.strategies.pipeline.adapted import adapted_layout  # noqa: E402
 from paratrain.strategies.pipeline.deferred import deferred_output  # noqa: E402
 from paratrain.strategies.pipeline.layout import split_model  # noqa: E402
-from paratrain.testing.numerics import TrainingBound  # noqa: E402
+from paratrain.strategies.pipeline.module import check_chain  # noqa: E402
+from paratrain.testing.numerics import REASSOCIATION, TrainingBound  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 64, 12, 4, 2
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
@@ -127,9 +128,23 @@ def test_what_the_stages_cannot_reproduce_is_refused_in_one_line():
 def test_the_shape_of_an_output_of_unknown_shape_is_refused_in_one_line():
     out = deferred_output(None)
     with pytest.raises(ValueError, match="^the shape of a pipeline's training output is "
-                                         "known only after run.backward"):
+                                         "known only after run.backward\\(loss\\) \\(asked by shape\\); write sizes"):
         out.view(out.shape[0], -1)
     assert deferred_output(None, (4, 12, VOCAB)).size(-1) == VOCAB
+
+
+def test_a_loss_whose_micro_batch_parts_do_not_add_up_is_refused_in_one_line():
+    out, y = deferred_output(None, (4, 3)), torch.tensor([0, 1, 2, 0])
+    check_chain(((F.cross_entropy(out, y, reduction="sum") / 4) * 2)._node.chain())
+    check_chain((F.cross_entropy(out, y) + 1.0)._node.chain())  # a mean: each part 1/m
+    with pytest.raises(ValueError, match="^a summed pipeline loss .* may only be scaled after "
+                                         "it .*, got add: the micro-batches' parts"):
+        check_chain((F.cross_entropy(out, y, reduction="sum") + 1.0)._node.chain())
+    weight = torch.ones(3, requires_grad=True)
+    with pytest.raises(ValueError, match="^the pipeline loss passes a tensor that requires "
+                                         "grad but does not come from the model's output to "
+                                         "add;"):
+        check_chain((F.cross_entropy(out, y) + weight.square().sum())._node.chain())
 
 
 # -- two ranks ------------------------------------------------------------------------------
@@ -151,6 +166,15 @@ def _loss(form, model, x):
     raise KeyError(form)
 
 
+def _evaluate(model, x):
+    # eval(): a forward-only schedule; the output object on every stage.
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=x, labels=x)
+    model.train()
+    return type(out).__name__, out.logits.clone(), float(out.loss)
+
+
 def train(name, form, options, reference=False):
     run = paratrain.Run(progress=False, accelerator="cpu", seed=3, **options)
     try:
@@ -160,14 +184,18 @@ def train(name, form, options, reference=False):
         aliases = {n: next(m for m, q in model.named_parameters() if q is p)
                    for n, p in model.named_parameters(remove_duplicate=False)}
         model, optimizer = run.prepare(model, optimizer)
-        losses = []
+        evaluated = _evaluate(model, tokens(seed=9)) if form == "labels" else None
+        strategy, losses = run.strategy, []
+        share = BATCH // strategy.data_parallel_size
+        mine = slice(strategy.data_parallel_rank * share, (strategy.data_parallel_rank + 1) * share)
         for step in range(STEPS):
-            loss = _loss(form, model, tokens(seed=step))
+            loss = _loss(form, model, tokens(seed=step)[mine])
             run.backward(loss)
             run.step(optimizer)
             losses.append(float(run.mean(loss)))
         state = run.strategy.full_state_dict(model) if not reference else model.state_dict()
-        result = {"losses": losses, "state": {k: v.detach().clone() for k, v in state.items()}}
+        result = {"losses": losses, "state": {k: v.detach().clone() for k, v in state.items()},
+                  "evaluated": evaluated}
         if bound:
             result.update(tolerances=bound.tolerances(), buffer_tolerances={}, aliases=aliases)
         return result
@@ -190,6 +218,8 @@ def pipeline_worker(rank, world_size, cases):
     for name, form, schedule in cases:
         options = {"strategy": "pipeline",
                    "strategy_options": {"schedule": schedule, "num_microbatches": 2}}
+        if schedule.startswith("pp="):  # a hybrid layout, by degrees
+            options = {"parallel": schedule}
         try:
             results.append(train(name, form, options))
         except ValueError as exc:
@@ -202,11 +232,28 @@ def test_hf_models_train_under_pipeline_as_in_one_process():
     cases = [*CASES, ("llama_tied", "whole_batch_view", "1f1b")]
     results = spawn(pipeline_worker, 2, cases, timeout=600)
     for i, (name, form, _) in enumerate(CASES):
-        reference = train(name, form, {"strategy": "single"}, reference=True)
-        got = [results[rank][i] for rank in range(2)]
-        assert layout_cells.compare(got, reference)["status"] == "ok", (name, form)
+        check_against_one_process(name, form, [results[rank][i] for rank in range(2)])
     # Refused on every rank before any stage ran (both ranks return the one line).
     assert [results[rank][-1] for rank in range(2)] == [REPLAY, REPLAY]
+
+
+def check_against_one_process(name, form, got):
+    reference = train(name, form, {"strategy": "single"}, reference=True)
+    assert layout_cells.compare(got, reference)["status"] == "ok", (name, form)
+    if reference["evaluated"] is not None:
+        kind, logits, loss = reference["evaluated"]
+        for result in got:  # micro-batches reorder nothing within a sample's logits
+            assert result["evaluated"][0] == kind
+            torch.testing.assert_close(result["evaluated"][1], logits, rtol=REASSOCIATION,
+                                       atol=REASSOCIATION * float(logits.abs().max()))
+            assert abs(result["evaluated"][2] - loss) <= REASSOCIATION * loss
+
+
+@pytest.mark.slow
+def test_hf_model_output_under_hybrid_pipeline_x_fsdp():
+    results = spawn(pipeline_worker, 4, [("llama_tied", "labels", "pp=2,dp_shard=2")],
+                    timeout=600)
+    check_against_one_process("llama_tied", "labels", [r[0] for r in results])
 
 
 def load_worker(rank, world_size, directories):

@@ -113,13 +113,15 @@ class Deferred(torch.Tensor):
             resolved = tree_map(lambda a: a._node.value if isinstance(a, Deferred) else a,
                                 (args, kwargs))
             return func(*resolved[0], **resolved[1])
-        asks_shape = func in _SHAPE or (getattr(func, "__name__", "") == "__get__" and getattr(
-            getattr(func, "__self__", None), "__name__", "") in ("shape", "ndim"))
+        name = getattr(func, "__name__", repr(func))
+        if name == "__get__":  # a property: its own name (shape, ndim, dtype)
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        asks_shape = func in _SHAPE or name in ("shape", "ndim")
         if asks_shape and not all(d._shape_known for d in found):
             raise ValueError(
                 f"the shape of a pipeline's training output is known only after "
-                f"run.backward(loss) (asked by {getattr(func, '__name__', func)}); write sizes "
-                "taken from it as -1 (out.view(-1, n_classes)) or from the inputs")
+                f"run.backward(loss) (asked by {name}); write sizes taken from it as -1 "
+                "(out.view(-1, n_classes)) or from the inputs")
         if getattr(func, "__name__", "") == "__get__" or func is torch.Tensor.is_floating_point \
                 or asks_shape:
             # dtype, device, shape, requires_grad: answered by the placeholder.

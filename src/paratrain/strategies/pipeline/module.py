@@ -54,6 +54,37 @@ def microbatches_for(batch_size: int, requested: int, *, looped_ranks: int = 0) 
     return max(m for m in range(1, min(requested, batch_size) + 1) if fits(m))
 
 
+_SCALING = {"mul", "multiply", "__mul__", "__rmul__", "div", "divide", "true_divide",
+            "__truediv__", "neg", "__neg__"}
+
+
+def _sums(node: Node) -> bool:
+    return node.kwargs.get("reduction") == "sum" or getattr(node.func, "sums_microbatches",
+                                                              False)
+
+
+def check_chain(chain: list[Node]) -> None:
+    """ValueError in one line for a recorded loss whose per-micro-batch replay would not
+    add up to the loss one process computes."""
+    summed = False
+    for node in chain:
+        name = getattr(node.func, "__name__", repr(node.func))
+        others = [a for a in (*node.args, *node.kwargs.values()) if not isinstance(a, Deferred)]
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in others):
+            raise ValueError(
+                f"the pipeline loss passes a tensor that requires grad but does not come "
+                f"from the model's output to {name}; the schedule replays the loss on each "
+                "micro-batch's output only: compute such a term (a regulariser) outside "
+                "the pipelined loss")
+        if summed and (name not in _SCALING or any(
+                isinstance(a, torch.Tensor) and a.dim() > 0 for a in others)):
+            raise ValueError(
+                f"a summed pipeline loss (reduction='sum', or the model's own loss from "
+                f"labels=) may only be scaled after it (loss * c, loss / c), got {name}: the "
+                "micro-batches' parts are added up; apply it to a mean loss instead")
+        summed = summed or _sums(node)
+
+
 def _split(value: Any, batch_size: int, num_microbatches: int) -> list[Any]:
     if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
         return list(torch.tensor_split(value, num_microbatches))
@@ -190,8 +221,8 @@ class PipelineModule(nn.Module):
         m = self._microbatches(batch_size)
         # A mean loss per micro-batch is scaled by 1/m; a sum (reduction="sum", or the
         # model's own loss divided by the whole batch's token count) is not.
-        summed = any(node.kwargs.get("reduction") == "sum"
-                     or getattr(node.func, "sums_microbatches", False) for node in chain)
+        check_chain(chain)  # on every rank, before any stage runs
+        summed = any(_sums(node) for node in chain)
         self._step = {"chain": chain, "batch": batch_size, "m": m,
                       "scale": 1.0 if summed else 1.0 / m, "records": [{} for _ in chain]}
         if recorded.shape is not None:
