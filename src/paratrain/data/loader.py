@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 # Orders the starts of iteration of all loaders: the run's data position is the one
 # of the loader that training iterated last (see paratrain.data.training).
@@ -42,6 +42,22 @@ def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool) -> to
     # Seeding by (seed, epoch) reshuffles each epoch, identically on every rank.
     generator.manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(num_samples, generator=generator)
+
+
+def check_map_style(dataset: Any, caller: str) -> None:
+    """One line when ``dataset`` cannot be sharded by index: an ``IterableDataset``, a
+    generator or any other iterable without ``len()`` and ``[index]``.
+
+    The sampler shards one global order of indices, which is what makes every rank take
+    the same steps and a checkpoint resume at the exact sample; a stream has neither.
+    """
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__")
+                                                    and hasattr(dataset, "__getitem__")):
+        raise ValueError(
+            f"{caller} needs a dataset with len() and [index] (it shards one global order "
+            f"of indices over the ranks and resumes at an exact sample), got a "
+            f"{type(dataset).__name__}; for a stream, materialise it (list(stream)) or wrap "
+            "it in a torch.utils.data.Dataset with __len__ and __getitem__")
 
 
 class ShardedSampler(Sampler[int]):

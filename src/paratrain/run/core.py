@@ -30,7 +30,7 @@ from paratrain.activation_checkpointing import apply_activation_checkpointing
 from paratrain.compile import CompileClock, CompileOptions
 from paratrain.config import RunConfig
 from paratrain.data.batched import build_loader
-from paratrain.data.loader import DistributedLoader, ShardedSampler
+from paratrain.data.loader import DistributedLoader, ShardedSampler, check_map_style
 from paratrain.distributed import _compat
 from paratrain.distributed.process_group import destroy_process_group
 from paratrain.losses import GlobalCount
@@ -239,6 +239,7 @@ class Run(TrainStep, Metrics, Pretrained):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        check_map_style(dataset, "run.loader()" if train else "run.eval_loader()")
         sampler = ShardedSampler(
             len(dataset), num_replicas=self.strategy.data_parallel_size,
             rank=self.strategy.data_parallel_rank, shuffle=shuffle, seed=self.config.seed,
