@@ -147,6 +147,24 @@ def test_a_loss_whose_micro_batch_parts_do_not_add_up_is_refused_in_one_line():
         check_chain((F.cross_entropy(out, y) + weight.square().sum())._node.chain())
 
 
+def test_the_models_own_loss_per_micro_batch_adds_up_to_its_mean_with_ignored_labels():
+    model = build("llama_tied")
+    spec = adapted_layout(model)[0].outputs
+    ids = tokens()
+    labels = ids.clone()
+    labels[0, 3:] = -100  # micro-batches with different counts of labelled tokens
+    logits = model(ids).logits
+    out = spec.training_output(deferred_output(None, tuple(logits.shape)), labels)
+    loss_fn = out.loss._node.func
+    parts = [loss_fn(lg, lb) for lg, lb in zip(logits.split(2), labels.split(2))]
+    want = model(ids, labels=labels).loss  # one process: the mean over labelled tokens
+    assert loss_fn.sums_microbatches
+    assert abs(float(sum(parts)) - float(want)) <= REASSOCIATION * float(want)
+    # Not vacuous: the mean of the micro-batches' means is another number here.
+    means = [spec.loss_function(lg, lb, VOCAB) for lg, lb in zip(logits.split(2), labels.split(2))]
+    assert abs(float(sum(means)) / 2 - float(want)) > 4 * REASSOCIATION * float(want)
+
+
 # -- two ranks ------------------------------------------------------------------------------
 def _loss(form, model, x):
     if form == "labels":  # the model's own loss, model(**batch)
