@@ -1,7 +1,8 @@
 """Models x layouts: does each model train under each layout as it does in one process?
 
-Seven models (Hugging Face Llama, the same Llama with tied embeddings, GPT-2, a BERT
-classifier, torchvision's ViT and ResNet-18, ``paratrain.models.GPT``), built tiny from
+The models (Hugging Face Llama, the same Llama with tied embeddings, GPT-2, OPT, a BERT
+classifier, torchvision's ViT and ResNet-18, ``paratrain.models.GPT``, and GPT-NeoX,
+Mistral, Phi and Gemma2, which come through transformers' own tensor plans), built tiny from
 configs with random init and dropout off, train 3 SGD steps under each layout (gloo ranks
 on the CPU, each cell in its own spawn with a timeout) and under one process, on the same
 global batch. A cell is ``ok`` when losses and the gathered parameters and buffers are
@@ -60,6 +61,19 @@ def _llama(tied: bool):
             attention_dropout=0.0, tie_word_embeddings=tied)
         torch.manual_seed(0)
         return transformers.LlamaForCausalLM(config)
+    return build
+
+
+def _hf(config_name: str, model_name: str, **fields: Any):
+    """A family transformers ships a tensor plan for: no code in paratrain knows it."""
+    def build():
+        import transformers
+
+        config = getattr(transformers, config_name)(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=SEQ, **fields)
+        torch.manual_seed(0)
+        return getattr(transformers, model_name)(config)
     return build
 
 
@@ -151,6 +165,16 @@ MODELS = {
     "resnet18": ModelSpec(_resnet18, _labelled((3, 32, 32)), "torchvision", batchnorm=True,
                           lr=0.003),
     "gpt": ModelSpec(_gpt, _tokens, None),
+    # Through transformers' own tensor plans (paratrain.adapters.transformers_plans).
+    "gpt_neox": ModelSpec(_hf("GPTNeoXConfig", "GPTNeoXForCausalLM", hidden_dropout=0.0,
+                              attention_dropout=0.0), _tokens, "transformers"),
+    "mistral": ModelSpec(_hf("MistralConfig", "MistralForCausalLM", num_key_value_heads=2),
+                         _tokens, "transformers"),
+    "phi": ModelSpec(_hf("PhiConfig", "PhiForCausalLM", num_key_value_heads=2, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attention_dropout=0.0), _tokens, "transformers"),
+    # Tied embedding and head (Gemma's default): both stay whole under the plan.
+    "gemma2": ModelSpec(_hf("Gemma2Config", "Gemma2ForCausalLM", num_key_value_heads=2,
+                            head_dim=8), _tokens, "transformers"),
 }
 
 #: layout -> (ranks, Run keywords): named presets with strategy=, degrees with parallel=.
@@ -160,6 +184,8 @@ LAYOUTS = {
     "zero1": (2, {"strategy": "zero1"}),
     "zero2": (2, {"strategy": "zero2"}),
     "tp": (2, {"strategy": "tp"}),
+    "tp_sp_lp": (2, {"strategy": "tp", "strategy_options": {"sequence_parallel": True,
+                                                          "loss_parallel": True}}),
     "fsdp_tp": (4, {"strategy": "fsdp_tp", "strategy_options": {"tensor_degree": 2}}),
     "pp_gpipe": (2, {"strategy": "pipeline",
                      "strategy_options": {"schedule": "gpipe", "num_microbatches": 2}}),

@@ -47,8 +47,10 @@ class FSDPOptions:
 
     wrap_policy: Any = None
     """Which submodules become their own FSDP unit (all-gathered separately):
-    None = every direct child of the model that has parameters (the children of a
-    ``ModuleList``/``ModuleDict`` child, e.g. transformer blocks, individually);
+    None = for a Hugging Face model, each block named by its ``_no_split_modules`` and
+    the input embedding and output layer; for other models every direct child of the
+    model that has parameters (the children of a ``ModuleList``/``ModuleDict`` child,
+    e.g. transformer blocks, individually);
     a module class, a class name or a tuple of them; or a predicate
     ``fn(module) -> bool``. The root is always wrapped last."""
 
@@ -85,6 +87,8 @@ def _is_class_spec(value: Any) -> bool:
 
 def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module], bool]:
     """The wrap policy as a predicate over submodules (the root is handled separately)."""
+    if policy is None and _no_split_classes(root):
+        return _per_block(root)
     if policy is None:
         blocks = set()
         for child in root.children():
@@ -98,6 +102,32 @@ def wrap_predicate(policy: Any, root: nn.Module) -> Callable[[nn.Module], bool]:
         names = {p for p in policy if isinstance(p, str)}
         return lambda module: isinstance(module, classes) or type(module).__name__ in names
     return policy
+
+
+def _no_split_classes(root: nn.Module) -> frozenset[str]:
+    # A Hugging Face model names the classes that must stay whole on one device: its
+    # blocks (LlamaDecoderLayer, GPTNeoXLayer, ...).
+    names = getattr(type(root), "_no_split_modules", None)
+    if not isinstance(names, (list, tuple, set)):
+        return frozenset()
+    return frozenset(n for n in names if isinstance(n, str))
+
+
+def _per_block(root: nn.Module) -> Callable[[nn.Module], bool]:
+    """Units for a Hugging Face model: each block its own (the classes of its
+    ``_no_split_modules``), and the input embedding and output layer each their own, so
+    the forward gathers one block at a time, never the base model whole. Tied ones stay
+    with the unit around them (``shard_units`` checks)."""
+    classes = _no_split_classes(root)
+    units = {id(m) for m in root.modules() if m is not root and type(m).__name__ in classes}
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            layer = getattr(root, getter)() if hasattr(root, getter) else None
+        except (AttributeError, NotImplementedError):
+            layer = None
+        if isinstance(layer, nn.Module) and any(True for _ in layer.parameters()):
+            units.add(id(layer))
+    return lambda module: id(module) in units
 
 
 class FSDPStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluation,

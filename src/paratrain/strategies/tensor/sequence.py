@@ -14,8 +14,11 @@ The norms' parameters become replicated DTensors whose gradients are summed over
 tensor ranks, since each rank saw different tokens.
 
 Assumptions, checked where they can be: hidden states are ``(batch, sequence, hidden)``;
-a block's norms act on each token alone; an attention/MLP module receives the hidden
-state as its first positional argument; the sequence length is divisible by the degree.
+a block's norms act on each token alone; a block and an attention/MLP module receive the
+hidden state as their first positional argument or by keyword (``hidden_states=``, as
+Hugging Face's decoder layers pass it); the sequence length is divisible by the degree.
+Planned layers outside the blocks (an embedding split over its rows, an output layer
+whose output is gathered) see the whole sequence, as without sequence parallel.
 
 **Loss parallel** (``loss_parallel=True``): the output layer is split colwise over the
 vocabulary and its logits stay a DTensor sharded over it, so no rank ever holds the
@@ -36,6 +39,12 @@ from paratrain.strategies.tensor.plan import parallel_style
 
 __all__ = ["OUTPUT_NAMES", "apply_loss_parallel", "apply_sequence_parallel", "block_container",
            "find_output_layer", "loss_parallel_context", "sequence_parallel_styles"]
+
+HIDDEN_KEYWORDS = ("hidden_states", "hidden", "x")
+"""Keywords a block or attention/MLP module may receive the hidden state by."""
+
+OUTSIDE_STYLES = frozenset({"embedding_rowwise", "colwise_gather_output"})
+"""Styles whose layers may sit outside the blocks: their output is whole."""
 
 OUTPUT_NAMES = ("head", "lm_head", "output")
 """Top-level names loss parallel takes for the output layer unless ``output_layer`` is given."""
@@ -63,8 +72,10 @@ def block_container(model: nn.Module, plan: dict[str, str]) -> tuple[str, list[s
     blocks_held = {name: {child_holding(name, layer) for layer in plan} - {None}
                    for name in containers}
     owners = set()
-    for layer in plan:
+    for layer, style in plan.items():
         candidates = [name for name in containers if child_holding(name, layer)]
+        if not candidates and style in OUTSIDE_STYLES and len(plan) > 1:
+            continue  # the embedding or the output layer: whole outputs, outside the stream
         if not candidates:
             raise ValueError(f"sequence_parallel needs the planned layers inside a ModuleList "
                              f"of blocks; {layer!r} is not in one")
@@ -94,6 +105,13 @@ def sequence_parallel_styles(model: nn.Module, plan: dict[str, str],
     gathered: list[str] = []
     for name, style in plan.items():
         parent = name.rpartition(".")[0]
+        if not any(name.startswith(f"{block}.") for block in blocks):
+            styles[name] = parallel_style(modules[name], style)  # sees the whole sequence
+            continue
+        if style not in ("colwise", "rowwise"):
+            raise ValueError(f"sequence parallel splits a block's layers colwise or rowwise; "
+                             f"{name!r} has style {style!r}: train without sequence_parallel "
+                             "or give a plan with colwise/rowwise layers in the blocks")
         if style == "rowwise":
             styles[name] = parallel_style(modules[name], style, output_layouts=Shard(1))
         elif parent in blocks or isinstance(modules[parent], _CONTAINERS):
@@ -110,7 +128,8 @@ def sequence_parallel_styles(model: nn.Module, plan: dict[str, str],
             planned_or_above = any(p == name or p.startswith(f"{name}.") for p in plan)
             if not inside and not planned_or_above and _owns_parameters(module):
                 _check_per_token(name, module)
-                styles[name] = SequenceParallel()
+                # Local output: a block may add the norm's output to its (local) residual.
+                styles[name] = SequenceParallel(use_local_output=True)
     return styles, gathered
 
 
@@ -123,8 +142,8 @@ def apply_sequence_parallel(model: nn.Module, tp_mesh: Any, plan: dict[str, str]
     parallelize_module(model, tp_mesh, styles)
     modules = dict(model.named_modules())
     for name in gathered:
-        modules[name].register_forward_pre_hook(_GatherFirstInput(tp_mesh))
-    modules[blocks[0]].register_forward_pre_hook(_ShardFirstInput(tp_mesh))
+        modules[name].register_forward_pre_hook(_GatherFirstInput(tp_mesh), with_kwargs=True)
+    modules[blocks[0]].register_forward_pre_hook(_ShardFirstInput(tp_mesh), with_kwargs=True)
     modules[blocks[-1]].register_forward_hook(_GatherOutput(tp_mesh))
 
 
@@ -141,6 +160,14 @@ def find_output_layer(model: nn.Module, name: str | None) -> str:
     if not isinstance(modules.get(name), nn.Linear):
         kind = type(modules[name]).__name__ if name in modules else "no module"
         raise ValueError(f"output_layer {name!r} is {kind}; loss_parallel splits an nn.Linear")
+    weight = modules[name].weight
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False)
+            if p is weight and not n.startswith(f"{name}.")]
+    if tied:
+        # Splitting one holder would untie it: the embedding would train a separate copy.
+        raise ValueError(f"loss_parallel would split {name}.weight, which is tied to "
+                         f"{tied[0]}; untie them (e.g. tie_word_embeddings=False) or turn "
+                         "loss_parallel off")
     return name
 
 
@@ -177,6 +204,26 @@ def _check_per_token(name: str, module: nn.Module) -> None:
                          "that splits it")
 
 
+def _hidden_state(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    # The first positional argument, or the hidden state passed by keyword.
+    if args:
+        return args[0]
+    for key in HIDDEN_KEYWORDS:
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key]
+    raise ValueError(f"sequence parallel found no hidden state in the call of "
+                     f"{type(module).__name__}: it takes it as the first positional argument "
+                     f"or by keyword ({', '.join(HIDDEN_KEYWORDS)}); train without "
+                     "sequence_parallel")
+
+
+def _replace_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    key = next(k for k in HIDDEN_KEYWORDS if isinstance(kwargs.get(k), torch.Tensor))
+    return args, {**kwargs, key: hidden}
+
+
 def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
@@ -191,16 +238,17 @@ class _ShardFirstInput:
     def __init__(self, mesh: Any) -> None:
         self.mesh = mesh
 
-    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        hidden, *rest = args
+        hidden = _hidden_state(module, args, kwargs)
         length, degree = hidden.shape[1], self.mesh.size()
         if length % degree:
             raise ValueError(f"sequence length {length} is not divisible by the tensor degree "
                              f"{degree}; sequence_parallel needs one that it divides")
         whole = DTensor.from_local(hidden, self.mesh, [Replicate()], run_check=False)
-        return (whole.redistribute(self.mesh, [Shard(1)]).to_local(), *rest)
+        return _replace_hidden(args, kwargs,
+                               whole.redistribute(self.mesh, [Shard(1)]).to_local())
 
 
 class _GatherFirstInput:
@@ -210,13 +258,13 @@ class _GatherFirstInput:
     def __init__(self, mesh: Any) -> None:
         self.mesh = mesh
 
-    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        hidden, *rest = args
+        hidden = _hidden_state(module, args, kwargs)
         if not isinstance(hidden, DTensor):
             hidden = DTensor.from_local(hidden, self.mesh, [Shard(1)], run_check=False)
-        return (hidden.redistribute(self.mesh, [Replicate()]), *rest)
+        return _replace_hidden(args, kwargs, hidden.redistribute(self.mesh, [Replicate()]))
 
 
 class _GatherOutput:

@@ -62,8 +62,9 @@ class TPOptions:
     """Options of the ``tp`` strategy."""
 
     plan: dict[str, str] | None = None
-    """``{glob over module names: "colwise" | "rowwise"}``; None: the automatic plan for
-    standard transformer blocks (see :mod:`paratrain.strategies.tensor.plan`)."""
+    """``{glob over module names: style}`` (``"colwise"``, ``"rowwise"``, ...: see
+    :mod:`paratrain.strategies.tensor.plan`); None: the plan transformers ships with the
+    model, else a registered adapter's, else the automatic plan for standard blocks."""
 
     sequence_parallel: bool = False
     """Shard the residual stream and the blocks' norms over the sequence between the split
@@ -170,7 +171,9 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, *, plan: dict[str, str] |
     d = mesh.degrees
     if d.tensor_degree > 1:
         tp_mesh = mesh.submesh("tensor")
-        apply_tp(module, tp_mesh, plan or {}, sequence_parallel=sequence_parallel)
+        # Loss parallel owns the output layer (transformers' plans gather its output).
+        plan = {name: style for name, style in (plan or {}).items() if name != output_layer}
+        apply_tp(module, tp_mesh, plan, sequence_parallel=sequence_parallel)
         if output_layer is not None:
             apply_loss_parallel(module, tp_mesh, output_layer)
     if d.shard_degree > 1:
