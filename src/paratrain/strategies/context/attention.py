@@ -109,6 +109,10 @@ class _RingAttention(torch.autograd.Function):
                     outs[i] = outs[i] * torch.exp(lses[i] - safe) + torch.exp(block - safe) @ v
                     lses[i] = lse
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-2)
+        # Laid out (..., length, heads, dim) in memory, as torch's flash kernel returns it:
+        # the model's transpose + reshape back to (..., length, width) is then a view, and
+        # the output projection saves this same storage instead of a copy.
+        out = out.transpose(-2, -3).contiguous().transpose(-2, -3)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.group, ctx.order, ctx.causal, ctx.scale = group, order, causal, scale
         return out
