@@ -29,6 +29,24 @@ SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 model_layouts.MODELS["llama_mha"] = model_layouts.ModelSpec(
     model_layouts._hf("LlamaConfig", "LlamaForCausalLM", num_key_value_heads=4,
                       attention_dropout=0.0), model_layouts._tokens, "transformers")
+# No transformers plan: the automatic one, its kv-head count divided.
+model_layouts.MODELS["stablelm"] = model_layouts.ModelSpec(
+    model_layouts._hf("StableLmConfig", "StableLmForCausalLM", num_key_value_heads=2,
+                      hidden_dropout=0.0, attention_dropout=0.0),
+    model_layouts._tokens, "transformers")
+
+
+def _distilbert():
+    config = transformers.DistilBertConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4,
+                                           hidden_dim=64, max_position_embeddings=16,
+                                           num_labels=model_layouts.CLASSES, dropout=0.0,
+                                           attention_dropout=0.0, seq_classif_dropout=0.0)
+    torch.manual_seed(0)
+    return transformers.DistilBertForSequenceClassification(config)
+
+
+model_layouts.MODELS["distilbert"] = model_layouts.ModelSpec(
+    _distilbert, model_layouts._sentences, "transformers")
 
 
 def build(config_name, model_name, **fields):
@@ -145,7 +163,8 @@ def test_fsdp_units_are_the_blocks_of_a_hugging_face_model():
         "tok_emb", "pos_emb", "blocks.0", "blocks.1", "ln_f", "head"]
 
 
-CELLS_ON_TWO = [(name, "tp") for name in ("gpt_neox", "mistral", "phi", "gemma2")] + [
+CELLS_ON_TWO = [(name, "tp") for name in ("gpt_neox", "mistral", "phi", "gemma2", "stablelm",
+                                          "distilbert")] + [
     ("llama", "tp_sp_lp"), ("llama", "fsdp"), ("llama_tied", "fsdp")]
 
 
