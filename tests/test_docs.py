@@ -3,30 +3,31 @@
 Every ```python block of README.md and docs/*.md is compiled, and every call it
 makes to ``Run(...)`` or ``run.<method>(...)`` is checked against the real
 signatures; so are the inline spans such as `run.save(directory)`. The blocks
-then run, in a temporary directory, unless the line before them is a marker:
+then run as written, each in a fresh interpreter in a temporary directory (its own
+imports, nothing given to it), unless the line before them is a marker:
 
-* ``<!-- no-run: why -->``: a fragment, or it needs a launcher or minutes;
+* ``<!-- no-run: why -->``: a fragment, or it needs a launcher, a GPU, a cluster,
+  a server or minutes;
 * ``<!-- after: file.py -->``: the block is a script of tests/porting/, run there.
 
-Fashion-MNIST is replaced by a few random images so the README's example runs
-in seconds.
+Those are skipped with their reason, so pytest's summary counts the blocks that ran and
+those that did not. Fashion-MNIST is replaced by a few random images so the README's
+example runs in seconds.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
-
 import paratrain
 from paratrain.config import RunConfig
 from paratrain.strategies import available_strategies, strategy_class
@@ -156,24 +157,66 @@ def test_getting_started_lists_every_field_and_strategy():
     assert {k.value for k in options.keys} <= known
 
 
-def tiny_fashion_mnist(split: str = "train", **_: object) -> TensorDataset:
+# Each runnable block is a script of its own: a fresh interpreter, in a temporary folder,
+# with nothing imported for it. Only Fashion-MNIST is swapped for 16 random images.
+PRELUDE = """
+import runpy
+import sys
+
+import paratrain.datasets
+
+
+def tiny_fashion_mnist(split="train", **_):
+    import torch
+    from torch.utils.data import TensorDataset
+
     g = torch.Generator().manual_seed(0 if split == "train" else 1)
     return TensorDataset(torch.rand(16, 1, 28, 28, generator=g),
                          torch.randint(0, 10, (16,), generator=g))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("block", [b for b in blocks() if b.runs], ids=lambda b: b.id)
-def test_block_runs(block, tmp_path, monkeypatch):
-    import paratrain.datasets.images
+paratrain.datasets.fashion_mnist = tiny_fashion_mnist
+# A module of its own, named __main__: the block sees only what it imports, and
+# functions it defines can be pickled for spawned processes.
+runpy.run_path(sys.argv[1], run_name="__main__")
+"""
+BLOCK_TIMEOUT_S = 120
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(paratrain.datasets, "fashion_mnist", tiny_fashion_mnist)
-    namespace = {"__name__": "__docs__", "paratrain": paratrain, "torch": torch, "nn": nn,
-                 "F": F}
+
+def skip_reason(block: Block) -> str | None:
+    """Why a block does not run here: its marker, or None."""
+    if block.marker.startswith("<!-- no-run"):
+        return block.marker[len("<!-- no-run"):].strip(" :->") or "no-run"
+    if block.marker.startswith("<!-- after:"):
+        return f"runs in tests/porting as {block.marker[len('<!-- after:'):].strip(' ->')}"
+    return None
+
+
+def test_blocks_are_counted(capsys):
+    """How many blocks run here and how many are skipped, by reason (shown with -s)."""
+    reasons = [skip_reason(b) for b in blocks()]
+    ran = sum(r is None for r in reasons)
+    with capsys.disabled():
+        print(f"\ndocs python blocks: {ran} run, {len(reasons) - ran} skipped "
+              f"({sum(r is not None and r.startswith('runs in') for r in reasons)} run in "
+              "tests/porting, the others marked no-run)")
+    assert ran >= 12  # a block that stops running must be marked, and counted here
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", blocks(), ids=lambda b: b.id)
+def test_block_runs_as_written(block, tmp_path):
+    reason = skip_reason(block)
+    if reason is not None:
+        pytest.skip(f"{block.id}: {reason}")
+    script = tmp_path / f"{block.path.stem}_{block.line}.py"
+    script.write_text(textwrap.dedent(block.code))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline",
+           "WANDB_SILENT": "true", "PARATRAIN_ACCELERATOR": "cpu"}
     try:
-        exec(compile(textwrap.dedent(block.code), block.id, "exec"), namespace)
-    finally:
-        for value in namespace.values():
-            if isinstance(value, paratrain.Run):
-                value.close()
+        done = subprocess.run([sys.executable, "-c", PRELUDE, str(script)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{block.id} ran over {BLOCK_TIMEOUT_S} s")
+    assert done.returncode == 0, f"{block.id} exited {done.returncode}:\n{done.stderr[-3000:]}"
