@@ -22,6 +22,11 @@ def build(kind: str) -> torch.nn.Module:
                                          max_position_embeddings=16, num_labels=3,
                                          pad_token_id=PAD, initializer_range=0.5)
         return transformers.BertForSequenceClassification(config)
+    if kind == "gpt2_lm":  # loss_type None: transformers' default loss, ForCausalLMLoss
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2,
+                                         n_positions=16, pad_token_id=PAD, bos_token_id=1,
+                                         eos_token_id=1, initializer_range=0.5)
+        return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                                       num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=2, max_position_embeddings=16,
@@ -77,7 +82,7 @@ def worker(rank: int, world_size: int) -> dict:
     return {kind: evaluate(kind) for kind in ("classifier", "causal_lm")}
 
 
-@pytest.mark.parametrize("kind", ["classifier", "causal_lm"])
+@pytest.mark.parametrize("kind", ["classifier", "causal_lm", "gpt2_lm"])
 def test_one_rank_equals_the_hand_written_loop(kind):
     expected = by_hand(build(kind), dataset(kind))
     result = evaluate(kind)

@@ -128,11 +128,19 @@ def _causal_lm(module: nn.Module) -> bool:
     config = getattr(module, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False
+    if not hasattr(type(module), "loss_function"):
+        return False
     try:
-        from transformers.loss.loss_utils import ForCausalLMLoss
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     except ImportError:
         return False
-    return getattr(module, "loss_function", None) is ForCausalLMLoss
+    custom = getattr(module, "_loss_function", None)
+    if custom is not None:
+        return custom is ForCausalLMLoss
+    # What the loss_function property picks, without its warning for loss_type None
+    # (GPT2LMHeadModel): an unknown or missing loss_type means ForCausalLMLoss.
+    loss_type = getattr(module, "loss_type", None)
+    return LOSS_MAPPING.get(loss_type, ForCausalLMLoss) is ForCausalLMLoss
 
 
 def describe(value: Any) -> str:
