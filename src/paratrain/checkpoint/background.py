@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from paratrain.checkpoint.failures import failure_reason
 from paratrain.checkpoint.files import CheckpointError, commit
+from paratrain.checkpoint.shard_files import publish
 
 __all__ = ["BackgroundWriter", "snapshot", "write_job"]
 
@@ -50,14 +52,17 @@ def _copy(obj: Any, copies: dict[int, torch.Tensor]) -> Any:
 
 
 def write_job(shards: Any, state: dict[str, Any] | None, path: Path,
-              keep: int) -> Callable[[], None]:
-    """The background part of a save: every rank's shards (a DCP future), then, on
-    rank 0 (``state`` given), the small file that marks the checkpoint complete."""
+              keep: int, *, staged: Path | None = None) -> Callable[[], None]:
+    """The background part of a save: every rank's shards (a DCP future, written into
+    ``staged``), then, on rank 0 (``state`` given), the shards renamed to their final
+    directory and the small file that marks the checkpoint complete."""
     def job() -> None:
         if shards is not None:
             # DCP's future ends once every rank's shards and the metadata are on disk.
             shards.result()
         if state is not None:
+            if staged is not None:
+                publish(staged, path.parent / state["sharded"], path)
             commit(state, path, keep)
     return job
 
@@ -101,8 +106,9 @@ class BackgroundWriter:
         thread.join()
         error, self._error = self._error, None
         if error is not None:
-            reason = " ".join(str(error).split())[:400] or type(error).__name__
+            # DCP's CheckpointException holds each rank's traceback: its first failure.
+            reason = failure_reason(error)[:400]
             raise CheckpointError(
                 f"writing checkpoint {self._label} in the background failed "
-                f"({type(error).__name__}: {reason}); the previous checkpoint is kept, "
+                f"({reason}); the previous checkpoint is kept, "
                 "fix the cause (disk space, permissions) and save again") from None

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paratrain.checkpoint.files import CheckpointError
+from paratrain.checkpoint.lock import CheckpointDirInUse, DirectoryLock, acquire, job_of
 from paratrain.config import RunConfig
 from paratrain.distributed.process_group import destroy_process_group, init_process_group
 from paratrain.distributed.topology import Topology
@@ -32,7 +35,7 @@ from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import PrecisionPolicy
 from paratrain.trackers.hub import TrackerHub, run_params, tracker_for
 
-__all__ = ["RunParts", "build_parts", "guard_peers"]
+__all__ = ["RunParts", "build_parts", "guard_peers", "lock_checkpoint_dir"]
 
 
 @dataclass(kw_only=True)
@@ -52,6 +55,8 @@ class RunParts:
     throughput: Throughput
     flop_counter: FirstStepFlops
     faults: FaultPlan
+    lock: DirectoryLock | None = None
+    """``checkpoint_dir``'s lock, held by rank 0 until ``Run.close()`` releases it."""
 
 
 @contextlib.contextmanager
@@ -81,6 +86,7 @@ def build_parts(config: RunConfig, settings: Settings,
     strategy: Strategy | None = None
     monitor_hang: hang.HangMonitor | None = None
     stop: signals.GracefulStop | None = None
+    lock: DirectoryLock | None = None
     try:
         layout = config.parallel
         if layout is None and settings.parallel is not None:
@@ -97,6 +103,7 @@ def build_parts(config: RunConfig, settings: Settings,
         monitor = health.HealthMonitor(topology=topology, every=settings.health_every)
         with guard_peers(monitor):
             monitor.check_config(config)
+            lock = lock_checkpoint_dir(config, topology, monitor.group, environ)
         # Records the collectives each rank enters; names the stuck one.
         monitor_hang = hang.HangMonitor(
             rank=topology.rank, world_size=topology.world_size, hosts=monitor.hosts,
@@ -127,7 +134,9 @@ def build_parts(config: RunConfig, settings: Settings,
         faults = FaultPlan.from_settings(settings, rank=topology.rank)
     except BaseException:
         # Nothing built may outlive a failed Run(): not the signal handlers, not the
-        # hang monitor's thread, not the process group.
+        # hang monitor's thread, not the process group, not the checkpoint_dir's lock.
+        if lock is not None:
+            lock.release()
         if stop is not None:
             stop.close(wait=False)
         if monitor_hang is not None:
@@ -143,7 +152,36 @@ def build_parts(config: RunConfig, settings: Settings,
         reporter=reporter, throughput=throughput,
         # Counted only when MFU can be reported: CPU runs without peak_flops do no extra work.
         flop_counter=FirstStepFlops(enabled=peak is not None),
-        faults=faults)
+        faults=faults, lock=lock)
+
+
+def lock_checkpoint_dir(config: RunConfig, topology: Topology, group: Any,
+                        environ: dict[str, str] | None) -> DirectoryLock | None:
+    """Rank 0 takes ``checkpoint_dir``'s lock; every rank learns the outcome (collective on
+    ``group``, the health monitor's gloo group) and raises the same one line if refused."""
+    if config.checkpoint_dir is None:
+        return None
+    lock, refused = None, None
+    if topology.is_main:
+        try:
+            lock, notice = acquire(config.checkpoint_dir,
+                                   job=job_of(os.environ if environ is None else environ))
+            if notice:
+                print(notice, flush=True)
+        except CheckpointError as exc:
+            refused = str(exc)
+        except OSError as exc:
+            refused = (f"checkpoint_dir {str(config.checkpoint_dir)!r}: its lock cannot be "
+                       f"taken ({exc.strerror or exc}); pass a writable local or shared directory")
+    if group is not None:
+        import torch.distributed as dist
+
+        box = [refused]
+        dist.broadcast_object_list(box, src=0, group=group)
+        refused = box[0]
+    if refused is not None:
+        raise CheckpointDirInUse(refused)
+    return lock
 
 
 def _trackers(config: RunConfig, strategy: Strategy, topology: Topology) -> TrackerHub:

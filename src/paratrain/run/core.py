@@ -98,6 +98,7 @@ class Run(TrainStep, Metrics, Pretrained):
         self.strategy = parts.strategy
         self.precision = parts.precision
         self._health, self._hang, self._stop = parts.health, parts.hang, parts.stop
+        self._lock = parts.lock  # checkpoint_dir's, on rank 0
         self.reporter = parts.reporter
         self.throughput = parts.throughput
         """Tokens/s and MFU derived from the samples/s (see :mod:`paratrain.run.flops`)."""
@@ -335,6 +336,8 @@ class Run(TrainStep, Metrics, Pretrained):
         self._closed = True
         # A background checkpoint write ends first: a sharded one needs the process group.
         failed = self.state.finish_saves(agree=not self._peer_lost)
+        if self._lock is not None:  # no write is in flight any more
+            self._lock.release()
         self._count_flops_done()  # a run that never called backward
         self._hang.close()
         self._optimizers.close()

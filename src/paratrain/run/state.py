@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -12,8 +13,11 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint import files as checkpoint
+from paratrain.checkpoint import shard_files
 from paratrain.checkpoint.background import BackgroundWriter, snapshot, write_job
-from paratrain.checkpoint.files import CheckpointError
+from paratrain.checkpoint.failures import failure_reason, is_dcp_failure, os_error, write_error
+from paratrain.checkpoint.files import CheckpointError, CorruptCheckpoint
+from paratrain.checkpoint.resume import resume_newest
 from paratrain.data.loader import DataCursor, DistributedLoader
 from paratrain.data.training import TrainingLoaders
 from paratrain.run.seeding import seed_everything
@@ -96,32 +100,32 @@ class RunState:
         When that checkpoint already holds ``num_epochs`` epochs, the line says the
         training is complete: the loop will not run, and a quick exit is no surprise.
 
-        A damaged newest file (killed storage, truncated copy) falls back to the
-        previous kept checkpoint with a warning naming both; any other problem
-        (another model, another optimizer) is raised, since older files share it.
+        A damaged newest checkpoint (a truncated file, a shard file missing or short)
+        falls back to the previous kept one with a warning naming both, on every rank
+        alike (see :func:`~paratrain.checkpoint.resume.resume_newest`); any other
+        problem (another model, another optimizer) is raised, since older files share it.
         """
         if self._resume_checked:
             return
         self._resume_checked = True
         directory = self._config.checkpoint_dir
-        candidates = checkpoint.list_checkpoints(directory) if directory else []
-        for index in range(len(candidates) - 1, -1, -1):
-            path = candidates[index]
-            try:
-                self.load(path)
-            except checkpoint.CorruptCheckpoint as exc:
-                if index == 0:
-                    raise
-                self._print(f"paratrain: warning: {exc}; resuming from the previous "
-                                f"checkpoint {candidates[index - 1]} instead")
-                continue
-            if num_epochs is not None and self.epoch >= num_epochs:
-                epochs = f"{num_epochs} epoch{'s' if num_epochs != 1 else ''}"
-                self._print(f"resumed from {path}; training was already complete ({epochs}); "
-                            "to train again, ask for more epochs or use another checkpoint_dir")
-            else:
-                self._print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
+        if not directory:
             return
+        # Every rank checks each candidate, then all agree (one small all-gather each).
+        path = resume_newest(directory, load=self._load_state, agree=self._agree,
+                             warn=self._print)
+        if path is None:
+            return
+        if num_epochs is not None and self.epoch >= num_epochs:
+            epochs = f"{num_epochs} epoch{'s' if num_epochs != 1 else ''}"
+            self._print(f"resumed from {path}; training was already complete ({epochs}); "
+                        "to train again, ask for more epochs or use another checkpoint_dir")
+        else:
+            self._print(f"resumed from {path} (epoch {self.epoch}, step {self.global_step})")
+
+    def _agree(self, flags: torch.Tensor) -> torch.Tensor:
+        """``flags`` of every rank that steps with this one (the strategy's all-gather)."""
+        return self._strategy.agree_flags(flags.to(self._topology.device))
 
     # -- save -------------------------------------------------------------------------
     def _gather_rng(self) -> torch.Tensor:
@@ -159,7 +163,7 @@ class RunState:
         }
         if self._trackers and topology.is_main:  # after a flush: the steps so far are in them
             state["trackers"] = self._trackers.state_dict()
-        shards = None
+        shards = staged = None
         if not isinstance(strategy, ShardedState):
             # State dicts may be collective (sharded strategies): every rank calls them.
             state["models"] = [strategy.model_state_dict(m) for m in self.models]
@@ -173,29 +177,40 @@ class RunState:
             # Every rank writes its own shards (torch.distributed.checkpoint) next to the
             # small file, which rank 0 writes last: its presence marks a complete checkpoint.
             sharded = path.with_suffix(".dcp")
+            staged = shard_files.staging_dir(sharded)  # renamed to `sharded` once complete
             state.update(models=[], optimizers=[], sharded=sharded.name,
                          num_models=len(self.models), optimizer_layout="flat")
-            if background:
-                shards = strategy.start_sharded_save(str(sharded), self.models,
-                                                     self.optimizers, group=self._group())
-            else:
-                strategy.save_sharded_state(str(sharded), self.models, self.optimizers)
+            write = (functools.partial(strategy.start_sharded_save, group=self._group())
+                     if background else strategy.save_sharded_state)
+            shards = shard_files.write_staged(write, staged, self.models, self.optimizers,
+                                              path=path, strategy=strategy,
+                                              main=topology.is_main)
+            if not background:
                 strategy.barrier()
         if background:
             # Copied now, so the file holds this step whatever training does next.
             self._saved = path.resolve()  # reset if the write fails
             small = snapshot(state) if topology.is_main else None
-            self._writer.start(write_job(shards, small, path, self._config.keep_checkpoints),
-                               label=str(path))
+            self._writer.start(write_job(shards, small, path, self._config.keep_checkpoints,
+                                         staged=staged), label=str(path))
             if wait:
                 self.wait_for_saves()
                 strategy.barrier()  # as below: rank 0's file is complete before anyone exits
             return str(path) if topology.is_main else None
-        written = None
+        written, failed = None, None
         if topology.is_main:
-            written = str(checkpoint.commit(state, path, self._config.keep_checkpoints))
+            try:
+                if staged is not None:
+                    shard_files.publish(staged, staged.parent / state["sharded"], path)
+                written = str(checkpoint.commit(state, path, self._config.keep_checkpoints))
+            except (OSError, RuntimeError) as exc:  # disk full, read-only: the previous stays
+                failed = exc
         # Nobody continues (and may be killed) before the file is complete.
         strategy.barrier()
+        code = 0 if failed is None else getattr(os_error(failed), "errno", -1)
+        errors = self._agree(torch.tensor([code], dtype=torch.int64)).reshape(-1)
+        if errors.any():  # every rank stops with one line: rank 0's reason
+            raise write_error(path, failed or int(errors[0])) from None
         self._saved = path.resolve()
         return written
 
@@ -244,8 +259,11 @@ class RunState:
     # -- load ---------------------------------------------------------------------------
     def load(self, path: str | os.PathLike) -> None:
         self.wait_for_saves()  # ``path`` may be the checkpoint being written
+        self._load_state(path, checkpoint.safe_load(path))
+
+    def _load_state(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
+        """Restore ``state``, the small file ``path`` already read."""
         strategy, topology = self._strategy, self._topology
-        state = checkpoint.safe_load(path)
         num_models = state.get("num_models", len(state["models"]))
         if num_models != len(self.models):
             raise CheckpointError(
@@ -326,6 +344,11 @@ class RunState:
         except (RuntimeError, KeyError, ValueError, FileNotFoundError) as exc:
             raise CheckpointError(f"sharded checkpoint {path} does not match the optimizer "
                                   f"({type(exc).__name__}: {_reason(exc)})") from None
+        except BaseException as exc:
+            if not is_dcp_failure(exc):  # raised on every rank, like DCP's own
+                raise
+            raise CorruptCheckpoint(f"checkpoint {path} is damaged: reading its shards failed "
+                                    f"({failure_reason(exc)})") from None
 
 
 def _can_write_in_background(strategy: Strategy) -> bool:
