@@ -67,13 +67,14 @@ def test_transformers_plans_come_first_prefixed_and_mapped_onto_torch_styles():
     # Only the config's plan: prefixed with the base model's attribute by paratrain.
     neox._tp_plan = {}
     assert resolve_plan(neox, None)["gpt_neox.layers.0.attention.dense"] == "rowwise"
-    # Before a registered adapter's plan.
+    # An adapter the user registers is asked first: what is said explicitly wins.
     mistral = build("MistralConfig", "MistralForCausalLM")
+    assert resolve_plan(mistral, None)["model.layers.0.self_attn.o_proj"] == "rowwise"
     adapter = ModelAdapter(name="mine", matches=lambda m: True,
                            tensor_plan=lambda m: {"lm_head": "colwise"})
     register_adapter(adapter)
     try:
-        assert resolve_plan(mistral, None)["model.layers.0.self_attn.o_proj"] == "rowwise"
+        assert resolve_plan(mistral, None) == {"lm_head": "colwise"}
     finally:
         registered.remove(adapter)
 

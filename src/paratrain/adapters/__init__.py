@@ -24,7 +24,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["ModelAdapter", "adapter_for", "register_adapter", "registered_adapters"]
+__all__ = ["ModelAdapter", "adapter_for", "register_adapter", "registered_adapters",
+           "user_adapter_for"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,3 +92,9 @@ def registered_adapters() -> tuple[ModelAdapter, ...]:
 def adapter_for(model: nn.Module) -> ModelAdapter | None:
     """The first adapter that recognises ``model``; None for a model no adapter knows."""
     return next((a for a in registered_adapters() if a.matches(model)), None)
+
+
+def user_adapter_for(model: nn.Module) -> ModelAdapter | None:
+    """The first adapter the user registered that recognises ``model``: it is asked
+    before transformers' own plans, which come before the built-in adapters."""
+    return next((a for a in _REGISTERED if a.matches(model)), None)

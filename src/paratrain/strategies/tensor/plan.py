@@ -16,8 +16,9 @@ A colwise layer followed by a rowwise one costs one all-reduce forward and one
 backward (Megatron-style): per transformer block, attention q/k/v colwise + output
 projection rowwise, MLP up colwise + down rowwise.
 
-Without a user plan, the model is recognised in this order: the plan transformers
-ships with it (:mod:`paratrain.adapters.transformers_plans`), then a registered adapter's, then
+Without a user plan, the model is recognised in this order: an adapter the user
+registered, the plan transformers ships with it
+(:mod:`paratrain.adapters.transformers_plans`), a built-in adapter's, then
 :func:`~paratrain.strategies.tensor.automatic.automatic_plan`, which finds the linear
 layers of standard transformer blocks by name and splits a block completely or refuses
 in one line; embeddings, norms and the output layer stay replicated there. Sequence
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.adapters import adapter_for
+from paratrain.adapters import adapter_for, user_adapter_for
 from paratrain.adapters.transformers_plans import transformers_plan
 from paratrain.distributed._compat import transposed_linear_style
 from paratrain.strategies.tensor.automatic import (
@@ -85,12 +86,15 @@ def validate_plan(plan: Any) -> None:
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str] | None) -> dict[str, str]:
-    """``{module name: style}`` for ``model``: the user's patterns expanded, else the plan
-    transformers ships with the model, else a registered adapter's, else the automatic
-    plan. ValueError for a pattern that matches nothing (the user's or an adapter's), a
-    module matched by two patterns, or a match its style cannot split."""
+    """``{module name: style}`` for ``model``: the user's patterns expanded, else an
+    adapter the user registered, else the plan transformers ships with the model, else a
+    built-in adapter's, else the automatic plan. ValueError for a pattern that matches
+    nothing (the user's or an adapter's), a module matched by two patterns, or a match
+    its style cannot split."""
     if plan is None:
-        shipped = transformers_plan(model)
+        user = user_adapter_for(model)
+        has_plan = user is not None and (user.tensor_plan or user.tensor_refusal)
+        shipped = None if has_plan else transformers_plan(model)
         if shipped is not None:
             # transformers' plans name what some configs or pipeline stages lack.
             resolved = _untied(model, _expand(model, shipped, strict=False))
