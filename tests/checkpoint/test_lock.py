@@ -119,3 +119,24 @@ def test_locks_from_other_hosts_and_restarts(tmp_path, monkeypatch):
     assert not (tmp_path / LOCK_NAME).exists()
     assert dirlock.job_of({"SLURM_JOB_ID": "9", "TORCHELASTIC_RUN_ID": "x"}) == "slurm:9"
     assert dirlock.job_of({"TORCHELASTIC_RUN_ID": "none"}) is None
+
+
+def test_without_flock_the_record_decides(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")  # Lustre without -o flock
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    path = tmp_path / LOCK_NAME
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": "x"}))
+    with pytest.raises(CheckpointDirInUse, match=f"pid {os.getpid()}, since x"):
+        acquire(tmp_path)  # a live process of this host holds it
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout),
+                                "since": "y"}))
+    lock, notice = acquire(tmp_path)
+    assert notice.endswith("since y; its process is gone); taking it over")
+    lock.release()

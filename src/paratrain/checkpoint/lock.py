@@ -5,7 +5,8 @@ overwrite each other's files. ``Run(checkpoint_dir=D)`` takes ``D/paratrain.lock
 at start and removes it at ``close()`` (also on errors and at interpreter exit).
 The file says who holds it (host, pid, job, since when); the liveness test is the
 kernel's: an ``flock`` on the open file, which a process keeps until it dies, even
-by SIGKILL. A lock file that nobody holds was left by a run that is gone:
+by SIGKILL (where the file system has no flock, the record alone decides). A lock
+file that nobody holds was left by a run that is gone:
 
 * on this host (its pid is dead), it is taken over; silently when it is the same
   job restarted (torchrun's ``--max-restarts``, a Slurm requeue: same
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -42,6 +44,7 @@ __all__ = ["LOCK_NAME", "CheckpointDirInUse", "DirectoryLock", "acquire", "job_o
 LOCK_NAME = "paratrain.lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 120.0
+_NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _held: dict[Path, DirectoryLock] = {}  # by resolved lock path: the locks of this process
 
 
@@ -103,6 +106,10 @@ def acquire(directory: str | os.PathLike, *, job: str | None = None,
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise CheckpointDirInUse(_in_use(directory, _read(path))) from None
+            except OSError as exc:
+                if exc.errno not in _NO_FLOCK:
+                    raise
+                # A file system without flock (Lustre without -o flock): the record decides.
             if os.fstat(fd).st_ino != _inode(path):
                 os.close(fd)  # released and removed since we opened it: open the new one
                 continue
@@ -135,7 +142,7 @@ def _judge(directory: Any, holder: dict[str, Any] | None, job: str | None, *,
     same_job = job is not None and holder.get("job") == job
     if holder.get("host") == socket.gethostname():
         if _alive(holder.get("pid"), holder.get("pid_start")):
-            # The flock was free, yet its holder lives: a file system without flock.
+            # The flock was free (or unsupported), yet its holder lives.
             raise CheckpointDirInUse(_in_use(directory, holder))
         restarted = same_job or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
         return None if restarted else _stale(directory, holder, "its process is gone")
