@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
+
 import paratrain
 from paratrain.config import RunConfig
 from paratrain.strategies import available_strategies, strategy_class

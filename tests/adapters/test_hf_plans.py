@@ -179,9 +179,10 @@ def cells_worker(rank, world_size, cells):
 def fsdp_gathering():
     """Per-rank parameter bytes over one process's, and the largest share of the model's
     parameters gathered whole while a decoder layer runs forward."""
-    import paratrain
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
+
+    import paratrain
 
     run = paratrain.Run(strategy="fsdp", progress=False, accelerator="cpu", seed=3)
     model = build("LlamaConfig", "LlamaForCausalLM", num_hidden_layers=4)

@@ -1,8 +1,7 @@
 """Bad input and lost peers: one line, non-zero exit, bounded time, no orphan processes.
 
-Every case of docs/reliability.md runs here as a real process (the launcher or
-a training script), tagged through its environment so that any process it
-leaves behind is found afterwards.
+Every case of docs/reliability.md runs here as a real process (the launcher or a training
+script), tagged through its environment so that any process it leaves behind is found.
 """
 
 from __future__ import annotations
@@ -295,7 +294,8 @@ def test_mismatched_config_across_nodes():
 
 @pytest.mark.slow
 def test_ranks_that_resumed_from_different_checkpoints_are_named(tmp_path):
-    # One run leaves checkpoints at steps 2 and 4; node 1's own disk only has step 2.
+    # One run leaves checkpoints at steps 2 and 4; node 1's own disk only has step 2. Caught
+    # at resume, before a step (the health check named it later, "global step 3 vs 5").
     first = tmp_path / "node0"
     out = run(script("--epochs", "1", "--num-samples", "32", "--checkpoint-dir", str(first),
                      "--checkpoint-every", "2"))
@@ -305,7 +305,6 @@ def test_ranks_that_resumed_from_different_checkpoints_are_named(tmp_path):
     shutil.copy(first / "step-000000002.pt", second)
     outs = two_nodes([["--checkpoint-dir", str(first)], ["--checkpoint-dir", str(second)]],
                      env={"PARATRAIN_HEALTH_EVERY": "1"})
-    # Caught at resume, before a step (the health check named it later, "global step 3 vs 5").
     for out in outs:
         assert_one_line_failure(out, "the ranks see different newest checkpoints (rank 0: "
                                      "step-000000004.pt, rank 1: step-000000002.pt)",

@@ -75,7 +75,7 @@ def expert_worker(rank, world_size, ep):
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = {n: p.grad for n, p in model.named_parameters() if id(p) not in experts}
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if id(param) in experts:
             param.data = param.grad  # gather the gradients the way the weights are
     grads.update(whole_experts(model, group))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paratrain.distributed.spawn import WorkerFailed
+from paratrain.settings import Settings
 from paratrain.verify.probe import (
     Factorization,
     ProbeSetup,
@@ -68,7 +69,7 @@ def _one_line(exc: WorkerFailed) -> str:
     """``rank 0 raised ValueError: ...``: the rank and its error, not the traceback
     (``PARATRAIN_TRACEBACK=1`` keeps it all)."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
-    if os.environ.get("PARATRAIN_TRACEBACK") == "1" or len(lines) < 2:
+    if Settings.from_environ().show_traceback or len(lines) < 2:
         return str(exc)
     return f"{lines[0].rstrip(':')} {lines[-1].strip()}"
 
