@@ -85,9 +85,13 @@ def test_a_bad_pod_variable_is_one_line():
 
 def test_launch_in_a_fake_pod_takes_the_process_count_from_it(tmp_path):
     script = tmp_path / "hello.py"
-    script.write_text("import os\nprint('hello', os.environ['RANK'], os.environ['WORLD_SIZE'])\n")
+    # One write per line: the two workers share the launcher's stdout, and print()'s
+    # separate writes of its arguments interleaved there ('hellohello 0 2', ' 1 2').
+    script.write_text("import os, sys\nsys.stdout.write('hello %s %s\\n' % (os.environ['RANK'], "
+                      "os.environ['WORLD_SIZE']))\n")
     env = {**os.environ, "PET_NNODES": "1", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "0"}
     result = subprocess.run([sys.executable, "-m", "paratrain.cli", "launch", str(script)],
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert sorted(result.stdout.split("\n")[:2]) == ["hello 0 2", "hello 1 2"]
+    hellos = [line for line in result.stdout.splitlines() if line.startswith("hello")]
+    assert sorted(hellos) == ["hello 0 2", "hello 1 2"]

@@ -37,12 +37,14 @@ def test_calibrate_handles_in_place_children_and_keeps_the_input():
 
 
 def test_calibrate_times_each_child_so_compute_heavy_stages_show():
-    # A wide Linear (256 x 1024) and a narrow one (1024 x 2): the per-child times show
-    # where the compute is, which parameter counts alone would not.
+    # A wide Linear (256 x 4096) and a narrow one (4096 x 2): the per-child times show
+    # where the compute is, which parameter counts alone would not. The narrow one is
+    # launch-bound, so the wide one must be far heavier for the ratio to survive a loaded
+    # machine (at 256 x 1024 a CI run measured 5.0x, the bar).
     # On the CPU on purpose: on a GPU both are launch-bound at this size (see the gpu test).
     # One thread: on a busy machine, idle OpenMP workers waiting for descheduled ones make
     # tiny ops take as long as big ones.
-    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 2))
+    model = nn.Sequential(nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 2))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
