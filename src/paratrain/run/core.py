@@ -168,6 +168,9 @@ class Run(TrainStep, Metrics, Pretrained):
         if optimizer is not None:
             misuse.check_optimizer_matches(model, optimizer)
         misuse.check_scheduler_matches(optimizer, scheduler)
+        notice = misuse.router_loss_notice(model)
+        if notice:
+            self.print(notice)
         if self.strategy.data_parallel_size == self.world_size:
             # Every rank holds (a shard of) the same model: compare shapes before any
             # wrapper communicates, since a wrapper fails obscurely on a mismatch.

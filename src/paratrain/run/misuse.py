@@ -102,3 +102,21 @@ def check_not_prepared(model: nn.Module, prepared: Iterable[nn.Module], unwrap: 
             "run.prepare() was called twice on the same model; call it once per model "
             "and train the model it returned (model, optimizer = run.prepare(model, optimizer))"
         )
+
+
+def router_loss_notice(model: nn.Module) -> str | None:
+    """A notice for a Hugging Face mixture of experts trained without its load-balancing
+    loss: those configs default to ``output_router_logits=False``, under which
+    ``out.loss`` is the language-model loss alone and the router may send most tokens to
+    a few experts (the rest then never learn). None for any other model."""
+    config = getattr(model, "config", None)
+    experts = max((getattr(config, name, None) or 0 for name in
+                   ("num_local_experts", "num_experts")), default=0)
+    if not isinstance(experts, int) or experts < 2:
+        return None
+    if getattr(config, "output_router_logits", True) is not False:
+        return None
+    return (f"notice: {type(model).__name__} routes tokens to {experts} experts but its config "
+            "has output_router_logits=False, so out.loss has no load-balancing term and the "
+            "router may collapse onto a few experts; set config.output_router_logits=True "
+            "(its router_aux_loss_coef weights the term)")
