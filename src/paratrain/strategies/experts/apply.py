@@ -63,9 +63,9 @@ def average_expert_gradients(model: nn.Module, data_parallel_size: int) -> None:
 
 def whole_experts(model: nn.Module, group: Any) -> dict[str, torch.Tensor]:
     """Every MoE layer's full ``w_in``/``w_out`` gathered from the expert group."""
-    gathered = {}
+    gathered, experts = {}, expert_parameters(model)
     for name, param in model.named_parameters():
-        if id(param) in expert_parameters(model):
+        if id(param) in experts:
             pieces = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
             dist.all_gather(pieces, param.detach().contiguous(), group=group)
             gathered[name] = torch.cat(pieces)

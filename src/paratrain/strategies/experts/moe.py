@@ -12,8 +12,8 @@ share of token copies routed to expert ``e``, ``P_e`` the mean router probabilit
 are summed over the balance group (the data-parallel ranks) first, so the loss sees the
 global batch's routing rather than each rank's micro-batch.
 
-After each forward, :attr:`MoE.tokens_per_expert` holds the layer's routing counts
-(global over the expert group), for router statistics.
+After each forward, :attr:`MoE.tokens_per_expert` holds the layer's routing counts on
+this rank; :func:`router_statistics` sums them over the expert group when asked.
 
 Example:
     >>> layer = MoE(dim=8, hidden=16, num_experts=4, top_k=2)
@@ -92,10 +92,9 @@ class MoE(nn.Module):
             dist.all_reduce(counts, group=self.balance_group)
         share = counts / counts.sum()
         self.balance_loss = self.num_experts * (share * probs.mean(0)).sum()
-        routed = local_counts.detach().clone()
-        if self.expert_group is not None:
-            dist.all_reduce(routed, group=self.expert_group)
-        self.tokens_per_expert = routed
+        # This rank's counts: summed over the expert group only when they are reported
+        # (router_statistics), not by a collective in every forward.
+        self.tokens_per_expert = local_counts.detach()
 
 
 def balance_loss(model: nn.Module) -> torch.Tensor:
@@ -108,10 +107,16 @@ def balance_loss(model: nn.Module) -> torch.Tensor:
 
 
 def router_statistics(model: nn.Module) -> dict[str, float]:
-    """``tokens_per_expert_max_over_mean`` (1 = even) and the tokens routed, over the
-    MoE layers' last forward."""
-    counts = [m.tokens_per_expert for m in model.modules()
-              if isinstance(m, MoE) and m.tokens_per_expert is not None]
+    """``router_max_over_mean_load`` (1 = even) and the tokens routed, over the MoE
+    layers' last forward, summed over each layer's expert group (a collective there:
+    call it on every rank of the group)."""
+    counts = []
+    for layer in model.modules():
+        if isinstance(layer, MoE) and layer.tokens_per_expert is not None:
+            routed = layer.tokens_per_expert.clone()
+            if layer.expert_group is not None:  # every rank of the group calls this
+                dist.all_reduce(routed, group=layer.expert_group)
+            counts.append(routed)
     if not counts:
         return {}
     stacked = torch.stack(counts)

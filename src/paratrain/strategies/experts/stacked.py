@@ -81,9 +81,8 @@ class DispatchedExperts(nn.Module):
         outputs = run_experts(hidden_states.index_select(0, source), flat.index_select(0, order),
                               self.num_experts, self._expert, self.group)
         weighted = outputs * top_k_weights.flatten().index_select(0, order).unsqueeze(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts).float()
-        dist.all_reduce(counts, group=self.group)
-        self.tokens_per_expert = counts
+        # This rank's routing counts, for statistics; no collective in the step.
+        self.tokens_per_expert = torch.bincount(flat, minlength=self.num_experts).float()
         return torch.zeros_like(hidden_states).index_add(0, source,
                                                          weighted.to(hidden_states.dtype))
 
