@@ -26,6 +26,8 @@ Example:
 from __future__ import annotations
 
 import inspect
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,18 +66,36 @@ def _input_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
 
 
-def _position_slot(model: nn.Module) -> int | None:
-    """Index of ``position_ids`` among the forward's positional parameters (-1: keyword
+def _slot(model: nn.Module, name: str) -> int | None:
+    """Index of parameter ``name`` among the forward's positional parameters (-1: keyword
     only), None when the forward does not take it."""
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
         return None
     for index, param in enumerate(params):
-        if param.name == "position_ids":
+        if param.name == name:
             positional = (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
             return index if param.kind in positional else -1
     return None
+
+
+def _with_default(slot: int, args: tuple, kwargs: dict, name: str,
+                  make: Callable[[], torch.Tensor]) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with ``make()`` as argument ``name`` where none was given."""
+    given = kwargs.get(name)
+    if given is None and 0 <= slot < len(args):
+        given = args[slot]
+    if given is not None:
+        return args, kwargs
+    if 0 <= slot < len(args):  # passed positionally as None
+        return args[:slot] + (make(),) + args[slot + 1:], kwargs
+    return args, {**kwargs, name: make()}
+
+
+def _is_hugging_face(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # loaded if the model is one
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def _check_window(model: nn.Module, length: int) -> None:
@@ -159,7 +179,8 @@ class ContextParallel:
         ``local_tokens * cp / whole_tokens``: the mean over this rank's targets, times the
         factor, averaged over the cp ranks (as gradient averaging does), is the mean over
         the whole sequence's targets, however unevenly ``-100`` entries fall. 1.0 when the
-        batch has no target or no counted target.
+        batch has no target or no counted target. A rank whose slice holds no counted
+        target has a NaN mean loss (0/0), which no factor mends: sum its loss instead.
         """
         last = self._last
         if last is None or last.whole_tokens is None or last.whole_tokens == 0:
@@ -170,7 +191,8 @@ class ContextParallel:
         """Hook ``model`` (the root module) so each forward runs under context parallel.
 
         Before a forward: inject this rank's global ``position_ids`` when the forward
-        takes them and got none; refuse a config sliding window shorter than the whole
+        takes them and got none (for a Hugging Face model also an all-ones
+        ``attention_mask``); refuse a config sliding window shorter than the whole
         sequence; enter the attention mode. After it: exit the mode and refuse a forward
         that made no ``scaled_dot_product_attention`` call. A training forward (grad
         enabled, ``model.training``) leaves the mode armed for the recompute of
@@ -179,7 +201,12 @@ class ContextParallel:
         if self._handles:
             raise ValueError("this ContextParallel is already attached to a model; "
                              "detach() it first")
-        slot = _position_slot(model)
+        slots = {"position_ids": _slot(model, "position_ids")}
+        if _is_hugging_face(model):
+            # Without a mask, transformers reads the load-balanced positions' jump as packed
+            # sequences and materialises a block mask (use_cache=False, as in training):
+            # an all-ones mask keeps its causal SDPA path (slice_batch drops the batch's).
+            slots["attention_mask"] = _slot(model, "attention_mask")
 
         def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             tensor = _input_tensor(args, kwargs)
@@ -189,8 +216,14 @@ class ContextParallel:
             order = self.order(tensor.shape[1] * self.cp)
             _check_window(module, order.length)
             _check_loss(module, kwargs)
-            if slot is not None:
-                args, kwargs = self._with_positions(slot, args, kwargs, order, tensor)
+            defaults = {
+                "position_ids": lambda: order.positions(self.rank, device=tensor.device)[None]
+                .expand(tensor.shape[0], -1),
+                "attention_mask": lambda: torch.ones(tensor.shape[:2], dtype=torch.long,
+                                                     device=tensor.device)}
+            for name, slot in slots.items():
+                if slot is not None:
+                    args, kwargs = _with_default(slot, args, kwargs, name, defaults[name])
             if self._mode is None:
                 self._mode = _CountingAttention(self.group, order, self.method)
             else:  # armed by a training forward whose end_step has not come yet
@@ -204,7 +237,8 @@ class ContextParallel:
             mode = self._mode
             if mode is None:
                 return
-            _exit(mode)
+            if output is not None or _get_current_function_mode_stack()[-1:] == [mode]:
+                _exit(mode)  # (a pre-hook that raised never entered it)
             if output is None or not (torch.is_grad_enabled() and module.training):
                 self._mode = None
             if output is not None and mode.calls == 0:
@@ -234,20 +268,6 @@ class ContextParallel:
                 self._handles += [child.register_forward_pre_hook(reenter),
                                   child.register_forward_hook(reexit, always_call=True)]
         return self
-
-    def _with_positions(self, slot: int, args: tuple, kwargs: dict, order: SequenceOrder,
-                        tensor: torch.Tensor) -> tuple[tuple, dict]:
-        """``args``/``kwargs`` with this rank's global positions where none were given."""
-        given = kwargs.get("position_ids")
-        if given is None and 0 <= slot < len(args):
-            given = args[slot]
-        if given is not None:
-            return args, kwargs
-        positions = order.positions(self.rank, device=tensor.device)
-        positions = positions[None].expand(tensor.shape[0], -1)
-        if 0 <= slot < len(args):  # passed positionally as None
-            return args[:slot] + (positions,) + args[slot + 1:], kwargs
-        return args, {**kwargs, "position_ids": positions}
 
     def end_step(self) -> None:
         """Disarm the attention mode a training forward left for backward (call it after
