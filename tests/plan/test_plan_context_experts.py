@@ -5,14 +5,18 @@ import pytest
 
 from paratrain.plan import Hardware, ModelProfile
 from paratrain.plan.context_experts import (
+    MOE_COLD_TRANSFERS,
     TransformerShape,
     alltoall_time,
     context_memory,
+    context_memory_table,
     context_step,
     expert_memory,
+    expert_memory_table,
     expert_step,
     moe_alltoall_bytes,
     ring_block_bytes,
+    ring_cold_transfers,
     ring_grad_transfers,
     ring_kv_transfers,
     ring_layer_bytes,
@@ -56,6 +60,20 @@ def test_ring_time_is_every_hop_of_every_attention_layer_on_the_link():
                           TransformerShape(sequence=2048, width=128, attention_layers=8), cp=cp,
                           batch=1)
     assert deeper.comm - deeper.sync == pytest.approx(2 * ring)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_wake_up_is_paid_by_each_transfer_posted_after_compute(cp):
+    # Ring: cp - 1 forward hops, cp - 1 K/V hops backward and the last dK/dV hop (the
+    # other dK/dV hops follow their K/V hop at once); the gradient sync's first bucket.
+    assert ring_cold_transfers(cp) == 2 * cp - 1 and ring_cold_transfers(1) == 0
+    wake = 1e-3
+    quick = context_step(profile(), hardware(cp), DENSE, cp=cp, batch=1)
+    slow = context_step(profile(), hardware(cp), DENSE, cp=cp, batch=1, wake=wake)
+    assert slow.comm - quick.comm == pytest.approx((4 * (2 * cp - 1) + 1) * wake)
+    quick = expert_step(profile(), hardware(cp), MOE, ep=cp, batch=1)
+    slow = expert_step(profile(), hardware(cp), MOE, ep=cp, batch=1, wake=wake)
+    assert slow.comm - quick.comm == pytest.approx((2 * MOE_COLD_TRANSFERS + 1) * wake)
 
 
 def test_ring_hides_behind_attention_only_as_far_as_overlap_says():
@@ -116,6 +134,17 @@ def test_expert_state_divides_by_ep_and_dense_state_does_not(ep):
     doubled = expert_memory(pr, MOE, ep=ep, batch=1, experts=16)
     assert doubled.param_memory - held.param_memory == pytest.approx(
         MOE.expert_parameters * pr.param_bytes / ep)
+
+
+def test_memory_tables_have_a_row_per_length_or_expert_count_and_a_column_per_degree():
+    table = context_memory_table(profile(), DENSE, sequences=[1024, 2048, 4096], cps=[1, 2, 4])
+    lines = table.splitlines()
+    assert lines[0].split() == ["sequence", "cp=1", "cp=2", "cp=4"] and len(lines) == 4
+    row = [float(x) for x in lines[2].split()[1::2]]  # 2048 tokens: 40 MB / 1, 2, 4
+    assert row == pytest.approx([40 * MB / 2**20 / c for c in (1, 2, 4)], abs=0.01)
+    lines = expert_memory_table(profile(), MOE, experts=[4, 8, 16], eps=[1, 2, 4]).splitlines()
+    assert lines[0].split() == ["experts", "ep=1", "ep=2", "ep=4"]
+    assert [line.split()[0] for line in lines[1:]] == ["4", "8", "16"]
 
 
 def test_expert_optimizer_step_is_the_share_of_parameters_held():

@@ -22,6 +22,14 @@ times (dispatch and combine, forward and backward), ``(ep - 1) / ep`` of them le
 rank under even routing, plus one small exchange of the counts; the next layer needs
 them, so none hides. Balanced routing keeps each rank's expert work at one process's.
 
+A blocking transfer posted right after compute can cost more than the link's latency:
+on CPU the waiting process sleeps and the peer's data waits for it to be scheduled again
+(milliseconds on a busy host, ~0 with NCCL on a GPU). ``wake`` is that cost per such
+transfer (``benchmarks/plan_context_experts.py`` measures it as a 4-byte exchange after
+a burst of compute, less one back to back): the ring posts ``2 cp - 1`` of its hops per
+layer after compute (the backward dK/dV hop follows the K/V hop at once), an MoE layer 4
+of its 5 exchanges, the gradient sync 1.
+
 Memory per rank: activations grow linearly with the sequence (the ring and torch's CPU
 flash kernel keep ``O(s)`` per layer) and divide by ``cp``; expert parameters, gradients
 and optimizer state grow with the expert count and divide by ``ep``.
@@ -35,9 +43,11 @@ from paratrain.plan.comm import allreduce_time, ddp_buckets, exposed_comm_time
 from paratrain.plan.memory import MemoryEstimate
 from paratrain.plan.types import Hardware, ModelProfile, check_number, check_positive_int
 
-__all__ = ["ParallelStep", "TransformerShape", "alltoall_time", "context_memory",
-           "context_step", "expert_memory", "expert_step", "moe_alltoall_bytes",
-           "ring_block_bytes", "ring_grad_transfers", "ring_kv_transfers", "ring_layer_bytes", "shape_of"]
+__all__ = ["MOE_COLD_TRANSFERS", "ParallelStep", "TransformerShape", "alltoall_time",
+           "context_memory", "context_memory_table", "context_step", "expert_memory",
+           "expert_memory_table", "expert_step",
+           "moe_alltoall_bytes", "ring_block_bytes", "ring_cold_transfers",
+           "ring_grad_transfers", "ring_kv_transfers", "ring_layer_bytes", "shape_of"]
 
 #: Bytes per element the ring sends: it computes in float32 whatever the model's dtype.
 RING_BYTES = 4
@@ -136,6 +146,18 @@ def ring_grad_transfers(cp: int) -> int:
     return 0 if cp == 1 else cp
 
 
+def ring_cold_transfers(cp: int) -> int:
+    """Ring hops per attention layer posted right after compute (each pays ``wake``):
+    ``cp - 1`` forward, ``cp - 1`` K/V hops backward and the last dK/dV hop home."""
+    check_positive_int("cp", cp)
+    return 0 if cp == 1 else 2 * cp - 1
+
+
+#: All-to-alls per MoE layer posted right after compute: the counts, the forward
+#: combine and both backward exchanges (the forward dispatch follows the counts at once).
+MOE_COLD_TRANSFERS = 4
+
+
 def ring_block_bytes(shape: TransformerShape, cp: int, batch: int) -> float:
     """Bytes of one rank's stacked K and V block (or of its dK/dV) in one layer."""
     return batch * shape.sequence / cp * 2 * shape.width * RING_BYTES
@@ -175,8 +197,9 @@ def _check(hw: Hardware, name: str, degree: int) -> None:
 
 
 def _gradient_sync(grad_bytes: float, layers: int, window: float, hw: Hardware, replicas: int,
-                   overlap: float) -> tuple[float, float, float]:
-    """(comm, exposed, bytes sent) of DDP-style bucketed all-reduces over ``replicas``."""
+                   overlap: float, wake: float) -> tuple[float, float, float]:
+    """(comm, exposed, bytes sent) of DDP-style bucketed all-reduces over ``replicas``,
+    the first after backward's compute (``wake``)."""
     if replicas == 1 or grad_bytes == 0:
         return 0.0, 0.0, 0.0
     group = Hardware(num_devices_per_node=min(replicas, hw.num_devices_per_node),
@@ -186,7 +209,7 @@ def _gradient_sync(grad_bytes: float, layers: int, window: float, hw: Hardware, 
                      inter_node_bandwidth=hw.inter_node_bandwidth,
                      inter_node_latency=hw.inter_node_latency)
     buckets = ddp_buckets(grad_bytes, layers)
-    comm = sum(allreduce_time(x, group) for x in buckets)
+    comm = wake + sum(allreduce_time(x, group) for x in buckets)
     exposed = exposed_comm_time(comm, window, overlap=overlap,
                                 tail=allreduce_time(buckets[-1], group))
     return comm, exposed, 2 * (replicas - 1) / replicas * grad_bytes
@@ -210,27 +233,30 @@ def context_memory(profile: ModelProfile, shape: TransformerShape, *, cp: int,
 
 
 def context_step(profile: ModelProfile, hw: Hardware, shape: TransformerShape, *, cp: int,
-                 batch: int, overlap: float = 0.0) -> ParallelStep:
+                 batch: int, overlap: float = 0.0, wake: float = 0.0) -> ParallelStep:
     """One rank's step with ``cp`` ranks per sequence (consecutive ranks) and
     ``world / cp`` data-parallel replicas, ``batch`` sequences per replica.
 
     ``overlap``: share of the attention compute the ring transfers hide behind (0: the
     runtime's ring, which waits for each hop); the gradient all-reduce over all ranks
-    hides behind backward by the same share.
+    hides behind backward by the same share. ``wake``: seconds a transfer posted right
+    after compute costs beyond the link (see the module's docstring).
     """
     _check(hw, "cp", cp)
     check_number("overlap", overlap, positive=False)
+    check_number("wake", wake, positive=False)
     compute = batch * profile.step_compute_time_per_sample / cp
     bandwidth, latency = _link(hw, cp)
     hops = ring_kv_transfers(cp) + ring_grad_transfers(cp)
     block = ring_block_bytes(shape, cp, batch)
-    ring = shape.attention_layers * hops * (latency + block / bandwidth)
+    ring = shape.attention_layers * (hops * (latency + block / bandwidth)
+                                     + ring_cold_transfers(cp) * wake)
     ring_exposed = exposed_comm_time(ring, shape.attention_fraction * compute, overlap=overlap)
     # Every rank holds every parameter: gradients are summed over all world ranks (the cp
     # ranks saw parts of the same sequences, the replicas other sequences).
     sync, sync_exposed, sync_bytes = _gradient_sync(
         profile.grad_size, profile.num_layers, batch * profile.backward_time_per_sample / cp,
-        hw, hw.world_size, overlap)
+        hw, hw.world_size, overlap, wake)
     return ParallelStep(degree=cp, compute=compute, comm=ring + sync, sync=sync,
                         exposed=ring_exposed + sync_exposed,
                         optimizer=profile.optimizer_step_time,
@@ -268,16 +294,18 @@ def expert_memory(profile: ModelProfile, shape: TransformerShape, *, ep: int, ba
 
 
 def expert_step(profile: ModelProfile, hw: Hardware, shape: TransformerShape, *, ep: int,
-                batch: int, overlap: float = 0.0) -> ParallelStep:
+                batch: int, overlap: float = 0.0, wake: float = 0.0) -> ParallelStep:
     """One rank's step with the experts split over ``ep`` consecutive ranks and every
     rank reading ``batch`` sequences (data parallel over all ranks).
 
     ``overlap``: share of backward the gradient all-reduces hide behind (the all-to-alls
     never hide: the next layer waits for them). The dense gradients are summed over all
-    ranks, each expert's over the ``world / ep`` ranks holding it.
+    ranks, each expert's over the ``world / ep`` ranks holding it. ``wake``: as
+    :func:`context_step`'s.
     """
     _check(hw, "ep", ep)
     check_number("overlap", overlap, positive=False)
+    check_number("wake", wake, positive=False)
     if shape.moe_layers == 0:
         raise ValueError("shape.moe_layers must be >= 1 for expert parallel")
     if shape.experts % ep:
@@ -286,18 +314,45 @@ def expert_step(profile: ModelProfile, hw: Hardware, shape: TransformerShape, *,
     bandwidth, latency = _link(hw, ep)
     rows = moe_alltoall_bytes(batch * shape.sequence, shape.top_k, shape.width, shape.row_bytes)
     # Four exchanges of rows and one of the per-expert counts per layer.
-    per_layer = 4 * alltoall_time(rows / 4, ep, bandwidth, latency) + (ep - 1) * latency
+    per_layer = (4 * alltoall_time(rows / 4, ep, bandwidth, latency) + (ep - 1) * latency
+                 + MOE_COLD_TRANSFERS * wake)
     a2a = shape.moe_layers * per_layer if ep > 1 else 0.0
     window = batch * profile.backward_time_per_sample
     held, expert_params = _expert_share(profile, shape, ep, shape.experts)
     dense = (profile.num_parameters - expert_params) * profile.grad_bytes
     sync, sync_exposed, sync_bytes = _gradient_sync(dense, profile.num_layers, window, hw,
-                                                    hw.world_size, overlap)
+                                                    hw.world_size, overlap, wake)
     esync, esync_exposed, esync_bytes = _gradient_sync(
         expert_params / ep * profile.grad_bytes, profile.num_layers, window, hw,
-        hw.world_size // ep, overlap)
+        hw.world_size // ep, overlap, 0.0)
     return ParallelStep(degree=ep, compute=compute, comm=a2a + sync + esync, sync=sync + esync,
                         exposed=a2a + sync_exposed + esync_exposed,
                         optimizer=profile.optimizer_step_time * held / profile.num_parameters,
                         traffic=shape.moe_layers * (ep - 1) / ep * rows + sync_bytes + esync_bytes,
                         memory=expert_memory(profile, shape, ep=ep, batch=batch))
+
+
+def _table(corner: str, rows: list[int], columns: list[str], cells) -> str:
+    lines = [f"{corner:>8} " + " ".join(f"{c:>10}" for c in columns)]
+    lines += [f"{row:>8} " + " ".join(f"{cell / 2**20:>7.2f} MB" for cell in cells(row))
+              for row in rows]
+    return "\n".join(lines)
+
+
+def context_memory_table(profile: ModelProfile, shape: TransformerShape, *,
+                         sequences: list[int], cps: list[int], batch: int = 1) -> str:
+    """Activation memory per rank (MiB): one row per sequence length, one column per cp."""
+    return _table("sequence", sequences, [f"cp={c}" for c in cps], lambda s: [
+        context_memory(profile, shape, cp=c, batch=batch, sequence=s).activation_memory
+        for c in cps])
+
+
+def expert_memory_table(profile: ModelProfile, shape: TransformerShape, *,
+                        experts: list[int], eps: list[int]) -> str:
+    """Parameters + gradients + optimizer state per rank (MiB): one row per expert count,
+    one column per ep."""
+    def state(e: int, ep: int) -> float:
+        m = expert_memory(profile, shape, ep=ep, batch=1, experts=e)
+        return m.total - m.activation_memory
+    return _table("experts", experts, [f"ep={e}" for e in eps],
+                  lambda e: [state(e, ep) for ep in eps])
