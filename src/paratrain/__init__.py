@@ -15,7 +15,7 @@ from paratrain.checkpoint import CheckpointError
 from paratrain.config import RunConfig
 from paratrain.data import DataCursor, DistributedLoader, ShardedSampler
 from paratrain.distributed.topology import Topology
-from paratrain.parallel import Parallel, Pipeline, Sharding, TensorParallel
+from paratrain.parallel import ContextParallel, Parallel, Pipeline, Sharding, TensorParallel
 from paratrain.run import Run, seed_everything
 from paratrain.strategies import Strategy, available_strategies
 
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "ContextParallel",
     "DataCursor",
     "DistributedLoader",
     "Parallel",

@@ -96,11 +96,11 @@ class GlobalCount:
             )
 
     def gradient_factor(self, strategy: Strategy) -> float:
-        """``data_parallel_size / global_count``; one scalar all-reduce across ranks."""
+        """``loss_size / global_count``; one scalar all-reduce across the loss group."""
         local = torch.as_tensor(self._local, dtype=torch.float64).to(strategy.topology.device)
         total = float(strategy.all_reduce(local, "sum").item())
         # No valid element anywhere: the summed gradient is zero already.
-        return strategy.data_parallel_size / total if total > 0 else 0.0
+        return strategy.loss_size / total if total > 0 else 0.0
 
     def reset(self) -> None:
         self._local = 0.0

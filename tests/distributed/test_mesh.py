@@ -8,10 +8,10 @@ from paratrain.distributed.topology import Topology
 
 def test_infer_fills_the_missing_degree():
     d = ParallelDegrees.infer(world_size=8, pipeline_degree=2, shard_degree=2)
-    assert d.shape == (2, 2, 2, 1) and d.data_parallel_degree == 4
+    assert d.shape == (2, 2, 2, 1, 1) and d.data_parallel_degree == 4
     assert ParallelDegrees.infer(world_size=6).replicate_degree == 6
     assert ParallelDegrees.infer(world_size=4, replicate_degree=2, shard_degree=None).shape == (
-        1, 2, 2, 1)
+        1, 2, 2, 1, 1)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -44,7 +44,7 @@ def test_coordinates_put_shards_innermost():
 
 def test_tensor_axis_is_innermost_and_counts_in_the_product():
     d = ParallelDegrees.infer(world_size=8, shard_degree=2, tensor_degree=2)
-    assert d.shape == (1, 2, 2, 2) and d.data_parallel_degree == 4
+    assert d.shape == (1, 2, 2, 1, 2) and d.data_parallel_degree == 4
     assert [coordinates(r, d)["tensor"] for r in range(4)] == [0, 1, 0, 1]
     assert [coordinates(r, d)["shard"] for r in range(4)] == [0, 0, 1, 1]
     mesh = ParallelMesh(d, Topology(rank=3, world_size=8, local_world_size=4, local_rank=3,

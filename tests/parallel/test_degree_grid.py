@@ -41,8 +41,18 @@ GRID = {
         ("tp=2", "tp", None), ("pp=2", "pipeline", set())],
     (4, "4"): [("dp_replicate=2,dp_shard=2", "hybrid", {HSDP}),
         ("dp_shard=2,tp=2", "fsdp_tp", {("shard", "tensor"), SHARD}),
-        ("pp=2,dp_replicate=2", "hybrid", set()), ("pp=2,dp_shard=2", "hybrid", {SHARD})],
+        ("pp=2,dp_replicate=2", "hybrid", {HSDP}), ("pp=2,dp_shard=2", "hybrid", {SHARD}),
+        ("dp_replicate=2,tp=2", "fsdp_tp", None)],
     (4, "4-pp_x_tp"): [("pp=2,tp=2", "hybrid", {TENSOR})],
+    # Context parallel: each sequence of 8 tokens cut over cp ranks (head-tail order),
+    # FSDP over dp_shard x cp, losses averaged over data x cp.
+    (2, "2-cp"): [("cp=2", "fsdp", None)],
+    (4, "4-cp"): [("cp=4", "fsdp", None), ("dp_shard=2,cp=2", "fsdp", None),
+                  ("cp=2,tp=2", "fsdp_tp", None)],
+    # Expert parallel (the MoE GPT, dropless): experts split over ep of the data ranks.
+    (2, "2-ep"): [("ep=2", "fsdp", None)],
+    (4, "4-ep"): [("ep=4", "fsdp", None), ("dp_shard=4,ep=2", "fsdp", None),
+                  ("dp_replicate=2,dp_shard=2,ep=2", "hybrid", None)],
     (8, "8"): [("dp_replicate=2,dp_shard=2,tp=2", "fsdp_tp",
          {("replicate", "shard", "tensor"), HSDP}),
         ("pp=2,dp_shard=2,tp=2", "hybrid", {("shard", "tensor"), SHARD}),
@@ -54,7 +64,7 @@ def tokens(n=48):
     return token_dataset(n, VOCAB, BLOCK)
 
 
-def train(spec):
+def train(spec, experts=0):
     parallel = None
     if spec is not None:
         parallel = dataclasses.replace(paratrain.Parallel.parse(spec),
@@ -63,7 +73,8 @@ def train(spec):
     run = paratrain.Run(parallel=parallel, strategy="auto" if spec else "single",
                         progress=False, accelerator="cpu", seed=5, max_grad_norm=0.5)
     torch.manual_seed(0)
-    model = GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=4, n_head=4, n_embd=16)
+    model = GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=4, n_head=4, n_embd=16,
+                **({"experts": experts, "top_k": 2} if experts else {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     bound = TrainingBound(model, optimizer) if spec is None else None
     model, optimizer = run.prepare(model, optimizer)
@@ -78,20 +89,22 @@ def train(spec):
     return result
 
 
-def grid_worker(rank, world_size, layouts):
-    return {spec: train(spec) for spec, _, _ in layouts}
+def grid_worker(rank, world_size, layouts, experts=0):
+    return {spec: train(spec, experts) for spec, _, _ in layouts}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return train(None)
+def references():
+    return {0: train(None), 4: train(None, experts=4)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, layouts", [(n, GRID[n, name]) for n, name in GRID],
                          ids=[name for _, name in GRID])
-def test_degree_grid_matches_one_process(reference, world_size, layouts):
-    results = spawn(grid_worker, world_size, layouts, timeout=600)
+def test_degree_grid_matches_one_process(references, world_size, layouts):
+    experts = 4 if any("ep=" in spec for spec, _, _ in layouts) else 0
+    reference = references[experts]
+    results = spawn(grid_worker, world_size, layouts, experts, timeout=600)
     for spec, strategy, axes in layouts:
         replicas = set()
         for rank_results in results:

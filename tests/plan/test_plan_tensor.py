@@ -146,7 +146,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from paratrain.models import GPT
 from paratrain.strategies.tensor.plan import automatic_plan
-from paratrain.strategies.tensor.strategy import apply_tp
+from paratrain.strategies.tensor.apply import apply_tensor_parallel as apply_tp
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 model = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 apply_tp(model, init_device_mesh("cpu", (2,)), automatic_plan(model))

@@ -202,15 +202,15 @@ def test_contract(name, reference, tmp_path):
 
 
 def test_hybrid_is_the_strategy_that_runs_its_degrees_named_hybrid():
-    # No composite forwarding members: the preset returns the one implementation of the
-    # layout (pipeline for pp > 1, fsdp on a 2-D mesh for HSDP), so no contract member
-    # can silently fall back to a single-process default.
+    # No composite forwarding members: every preset returns the one layout strategy,
+    # named after the preset, so no contract member can silently fall back to a
+    # single-process default.
     from paratrain.distributed.topology import Topology
     from paratrain.strategies import create_strategy
-    from paratrain.strategies.fsdp import FSDPStrategy
+    from paratrain.strategies.layout import LayoutStrategy
 
-    hsdp = create_strategy("hybrid", Topology(), timeout_s=12.0)
-    assert type(hsdp) is FSDPStrategy and hsdp.name == "hybrid" and hsdp.timeout_s == 12.0
-    assert hsdp.mesh.degrees.shape == (1, 1, 1, 1)
-    assert "running as 'single'" in hsdp.notice()  # one process: fsdp's own fallback line
-    assert FSDPStrategy(Topology()).name == "fsdp"  # the class keeps its own name
+    for name in ("hybrid", "fsdp", "zero2", "tp", "fsdp_tp", "pipeline"):
+        strategy = create_strategy(name, Topology(), timeout_s=12.0)
+        assert type(strategy) is LayoutStrategy and strategy.name == name
+        assert strategy.timeout_s == 12.0 and strategy.mesh.degrees.shape == (1, 1, 1, 1, 1)
+        assert "running as 'single'" in strategy.notice()  # one process: the fallback line

@@ -11,7 +11,7 @@ import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.capabilities import ShardedState
-from paratrain.strategies.hybrid import HybridOptions
+from paratrain.parallel.presets import HybridOptions, preset
 from paratrain.testing.numerics import TrainingBound, assert_losses_within, assert_params_within
 from paratrain.testing.reference import train_steps
 
@@ -59,12 +59,16 @@ def hsdp_worker(rank, world_size):
 
 def test_degrees_are_inferred_and_validated_once():
     topology = Topology(rank=0, world_size=8, local_world_size=4, num_nodes=2)
-    hsdp = HybridOptions().degrees(topology)
+    def degrees(**options):
+        return preset("hybrid", options, local_world_size=topology.local_world_size).resolve(
+            world_size=topology.world_size, local_world_size=topology.local_world_size)
+
+    hsdp = degrees()
     assert (hsdp.pipeline_degree, hsdp.replicate_degree, hsdp.shard_degree) == (1, 2, 4)
-    dp_pp = HybridOptions(pipeline_degree=4).degrees(topology)
+    dp_pp = degrees(pipeline_degree=4)
     assert (dp_pp.replicate_degree, dp_pp.shard_degree) == (2, 1)
-    with pytest.raises(ValueError, match="pipeline_degree=3 does not divide the world size 8"):
-        HybridOptions(pipeline_degree=3).degrees(topology)
+    with pytest.raises(ValueError, match="pp=3 does not divide the world size 8"):
+        degrees(pipeline_degree=3)
     with pytest.raises(ValueError, match="pipeline options need pipeline_degree > 1"):
         HybridOptions(pipeline={"schedule": "gpipe"})
 

@@ -13,7 +13,7 @@ import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
 from paratrain.models import GPT
-from paratrain.strategies.hybrid import HybridOptions
+from paratrain.parallel.presets import HybridOptions, preset
 from paratrain.testing.language import (
     evaluate_tokens,
     layout_meshes,
@@ -90,20 +90,21 @@ def assert_matches(result, reference):
 
 def test_three_axes_are_inferred_and_checked_once():
     topology = Topology(rank=0, world_size=8, local_world_size=8, num_nodes=1)
-    degrees = HybridOptions(pipeline_degree=2, shard_degree=2, tensor_degree=2).degrees(topology)
-    assert degrees.shape == (2, 1, 2, 2) and degrees.data_parallel_degree == 2
-    assert HybridOptions(pipeline_degree=2, tensor_degree=2).degrees(topology).shape == (2, 2, 1, 2)
-    with pytest.raises(ValueError, match="tensor_degree=2 without a pipeline: use strategy "
-                                         "'fsdp_tp'"):
-        HybridOptions(tensor_degree=2)
+    def degrees(**options):
+        return preset("hybrid", options, local_world_size=8).resolve(world_size=8)
+
+    assert degrees(pipeline_degree=2, shard_degree=2, tensor_degree=2).shape == (2, 1, 2, 1, 2)
+    assert degrees(pipeline_degree=2, tensor_degree=2).shape == (2, 2, 1, 1, 2)
+    # Replicas x tensor parallel without a pipeline: HSDP with shard 1 over the replicas.
+    assert degrees(tensor_degree=2, shard_degree=1).shape == (1, 4, 1, 1, 2)
     with pytest.raises(ValueError, match="tensor_degree must be an integer >= 1, got 0"):
         HybridOptions(pipeline_degree=2, tensor_degree=0)
     with pytest.raises(ValueError, match="fsdp options inside a pipeline need shard_degree > 1"):
         HybridOptions(pipeline_degree=2, fsdp={"reshard_after_forward": False})
-    with pytest.raises(ValueError, match="tensor_degree=3 does not divide the world size 8"):
-        HybridOptions(pipeline_degree=2, tensor_degree=3).degrees(topology)
-    with pytest.raises(ValueError, match="cannot be inferred"):
-        HybridOptions(pipeline_degree=2, shard_degree=2, tensor_degree=4).degrees(topology)
+    with pytest.raises(ValueError, match="tp=3 does not divide the world size 8"):
+        degrees(pipeline_degree=2, tensor_degree=3)
+    with pytest.raises(ValueError, match="cannot fill the world"):
+        degrees(pipeline_degree=2, shard_degree=2, tensor_degree=4)
     from paratrain.strategies import create_strategy
 
     with pytest.raises(ValueError, match="sequence_parallel and loss_parallel are not supported "

@@ -12,7 +12,7 @@ from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.pipeline.deferred import Deferred, Node
 from paratrain.strategies.pipeline.layout import stage_layers
 from paratrain.strategies.pipeline.module import microbatches_for
-from paratrain.strategies.pipeline.strategy import PipelineOptions
+from paratrain.parallel.options import Pipeline as PipelineOptions
 from paratrain.testing.numerics import (
     REASSOCIATION,
     TrainingBound,

@@ -16,7 +16,8 @@ from paratrain.strategies.tensor.sequence import (
     find_output_layer,
     sequence_parallel_styles,
 )
-from paratrain.strategies.tensor.strategy import FSDPTPOptions, TPOptions
+from paratrain.parallel.options import TensorParallel as TPOptions
+from paratrain.parallel.presets import preset
 from paratrain.testing.numerics import (
     REASSOCIATION,
     TrainingBound,
@@ -149,8 +150,8 @@ def test_automatic_plan_splits_attention_and_mlp_and_bad_plans_are_named():
         TPOptions(plan={"blocks.*.ln1": "sequence"})
     with pytest.raises(ValueError, match="matches 'blocks.0.ln1', a LayerNorm"):
         resolve_plan(TinyGPT(), {"blocks.0.ln1": "colwise"})
-    with pytest.raises(ValueError, match="tensor_degree must be an integer >= 1, got 0"):
-        FSDPTPOptions(tensor_degree=0)
+    with pytest.raises(ValueError, match="Parallel.tp must be an integer >= 1, or -1 to fill the world, got 0"):
+        preset("fsdp_tp", {"tensor_degree": 0}, local_world_size=4)
 
 
 @pytest.mark.slow
@@ -214,7 +215,7 @@ def test_sequence_and_loss_parallel_bad_input_is_named():
     with pytest.raises(ValueError, match="output_layer is only used with loss_parallel=True"):
         TPOptions(output_layer="head")
     with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
-        FSDPTPOptions(sequence_parallel="yes")
+        preset("fsdp_tp", {"sequence_parallel": "yes"}, local_world_size=4)
     assert find_output_layer(model, None) == "head"
     with pytest.raises(ValueError, match="output_layer 'ln' is LayerNorm"):
         find_output_layer(model, "ln")
@@ -244,7 +245,7 @@ def test_one_process_runs_as_single_and_degrees_are_checked_once():
     layout = create_strategy("fsdp_tp", four, {"tensor_degree": 2})
     assert (layout.data_parallel_size, layout.data_parallel_rank) == (2, 1)
     assert create_strategy("tp", four).data_parallel_size == 1
-    with pytest.raises(ValueError, match="tensor_degree=3 does not divide the world size 4"):
+    with pytest.raises(ValueError, match="tp=3 does not divide the world size 4"):
         create_strategy("fsdp_tp", four, {"tensor_degree": 3})
 
 

@@ -17,9 +17,10 @@ from torch import nn
 import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import ShardedState
-from paratrain.strategies.fsdp import FSDPOptions
+from paratrain.parallel.options import Sharding as FSDPOptions
 from paratrain.strategies.zero.zero1 import shard_optimizer
-from paratrain.strategies.zero.zero2 import Zero2Options
+from paratrain.parallel.presets import ZeroTwoOptions as Zero2Options
+from paratrain.parallel.presets import preset
 from paratrain.testing.numerics import TrainingBound, assert_params_within
 from paratrain.testing.reference import synthetic_classification
 
@@ -104,14 +105,14 @@ def test_options_are_validated_in_one_line():
     with pytest.raises(ValueError, match="offload must be True or False"):
         FSDPOptions(offload="yes")
     with pytest.raises(ValueError, match="offload must be True or False"):
-        Zero2Options(offload=1)
-    assert Zero2Options().fsdp().reshard_after_forward is False
+        preset("zero2", Zero2Options(offload=1), local_world_size=2)
+    assert preset("zero2", {}, local_world_size=2).sharding.reshard_after_forward is False
     with pytest.raises(TypeError):
         Zero2Options(reshard_after_forward=True)  # fixed by the strategy
 
 
 def test_zero2_offers_every_fsdp_option_but_the_one_it_fixes():
-    # A new FSDPOptions field must reach zero2 too (Zero2Options.fsdp() passes them on).
+    # A new Sharding field reaches zero2 too (its options are generated from Sharding's).
     fsdp_fields = {f.name for f in dataclasses.fields(FSDPOptions)}
     zero2_fields = {f.name for f in dataclasses.fields(Zero2Options)}
     assert zero2_fields == fsdp_fields - {"reshard_after_forward"}

@@ -193,6 +193,8 @@ class DistributedLoader:
             generator=self._generator,
         )
         self.batches_in_epoch = 0
+        self.local_batch: Any = None
+        """This rank's part of each batch (the strategy's ``local_batch``), or None."""
         self.started = -1  # when iteration last started (_ITERATIONS); -1: never
         self.retired: str | None = None  # why iterating it is refused, once a run replaced it
 
@@ -229,9 +231,10 @@ class DistributedLoader:
         self._generator.manual_seed(
             (self.sampler.seed * 1_000_003 + cursor.epoch) * 4099 + self.sampler.rank
         )
+        local = self.local_batch
         for index, batch in enumerate(self._device_batches()):
             self.batches_in_epoch = index + 1
-            yield batch
+            yield batch if local is None else local(batch)
         # The epoch is exhausted; the position now reads as the end of the epoch.
         self.sampler.cursor.offset = self.sampler.total_size
         self.batches_in_epoch = 0

@@ -138,16 +138,17 @@ def all_gather_single(output: torch.Tensor, piece: torch.Tensor, group: Any) -> 
     gather(output, piece, group=group)
 
 
-def flattened_group(mesh: Any) -> dist.ProcessGroup:
+def flattened_group(mesh: Any, name: str | None = None) -> dist.ProcessGroup:
     """The process group over all of ``mesh``'s ranks, in row-major mesh order.
 
     ``DeviceMesh._flatten`` (private) builds it once per mesh (a collective the first
-    time: every rank of the root mesh asks at the same point) and caches it.
+    time: every rank of the root mesh asks at the same point) and caches it; with
+    ``name`` the root mesh can then be sliced by that name (``mesh["replicate", name]``).
     """
     flatten = getattr(mesh, "_flatten", None)
     if flatten is None:
         raise _missing("DeviceMesh._flatten")
-    return flatten().get_group()
+    return (flatten(name) if name else flatten()).get_group()
 
 
 def shard_indices(global_shape: Sequence[int], mesh_shape: Sequence[int],

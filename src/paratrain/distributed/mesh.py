@@ -1,14 +1,25 @@
 """Parallel degrees and the device mesh they describe, validated once.
 
-A job of ``world_size`` processes is laid out as a 4-D grid
-``pipeline x replicate x shard x tensor`` (outermost first):
+A job of ``world_size`` processes is laid out as a 5-D grid
+``pipeline x replicate x shard x context x tensor`` (outermost first):
 
 * ``pipeline_degree``: stages of a pipeline (each holds some layers);
 * ``replicate_degree``: full replicas whose gradients are all-reduced (DDP-like);
 * ``shard_degree``: ranks over which parameters, gradients and optimizer state
   are sharded (FSDP). With ``replicate_degree > 1`` too this is HSDP;
+* ``context_degree``: ranks that split each sequence (context parallel); they read
+  the same samples, each a slice of every sequence;
 * ``tensor_degree``: ranks that split each layer's weights (tensor parallel);
   they read the same data.
+
+``expert_degree`` is not an axis of its own: as in torchtitan, expert parallel borrows
+ranks from ``shard x context`` (the experts of a MoE layer are split over ``expert_degree``
+consecutive ranks of that block, and FSDP-sharded over the rest of it).
+
+Groups by job (torchtitan's ``batch``/``loss``/``fsdp`` meshes): the *batch* ranks read
+different data (``replicate x shard``); the *loss* ranks are what losses and metrics are
+averaged over (``batch x context``); FSDP shards over ``shard x context`` (HSDP replicates
+over ``replicate``).
 
 The tensor axis is innermost, then shard, so that consecutive ranks (the
 processes of one node) carry the chattiest traffic (a tensor-parallel
@@ -22,7 +33,7 @@ Example:
     >>> (degrees.pipeline_degree, degrees.replicate_degree, degrees.shard_degree)
     (2, 2, 1)
     >>> ParallelDegrees.infer(world_size=4, shard_degree=2, tensor_degree=2).shape
-    (1, 1, 2, 2)
+    (1, 1, 2, 1, 2)
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import torch.distributed as dist
 from paratrain.distributed._compat import flattened_group
 from paratrain.distributed.topology import Topology
 
-AXES = ("pipeline", "replicate", "shard", "tensor")
+AXES = ("pipeline", "replicate", "shard", "context", "tensor")
 """Mesh dimension names, outermost first."""
 
 
@@ -56,11 +67,22 @@ class ParallelDegrees:
     tensor_degree: int = 1
     """Tensor-parallel ranks that split each layer's weights and read the same data."""
 
+    context_degree: int = 1
+    """Context-parallel ranks that split each sequence and read the same samples."""
+
+    expert_degree: int = 1
+    """Ranks over which each MoE layer's experts are split (borrowed from shard x context)."""
+
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in (*AXES, "expert"):
             value = getattr(self, f"{axis}_degree")
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{axis}_degree must be an integer >= 1, got {value!r}")
+        borrowed = self.shard_degree * self.context_degree
+        if borrowed % self.expert_degree:
+            raise ValueError(f"expert_degree={self.expert_degree} must divide dp_shard x cp "
+                             f"= {borrowed} (expert parallel borrows those ranks); choose "
+                             f"an ep that divides {borrowed}, or raise dp_shard")
 
     @property
     def world_size(self) -> int:
@@ -72,9 +94,15 @@ class ParallelDegrees:
         return self.replicate_degree * self.shard_degree
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
+    def loss_degree(self) -> int:
+        """Ranks over which losses and metrics are averaged: data parallel x context."""
+        return self.data_parallel_degree * self.context_degree
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """The mesh's shape, in :data:`AXES` order."""
         return (self.pipeline_degree, self.replicate_degree, self.shard_degree,
-                self.tensor_degree)
+                self.context_degree, self.tensor_degree)
 
     def validate(self, world_size: int) -> None:
         """ValueError naming the bad degree unless the product equals ``world_size``."""
@@ -127,7 +155,7 @@ def _check_divides(axis: str, value: int, world_size: int) -> None:
 
 
 def coordinates(rank: int, degrees: ParallelDegrees) -> dict[str, int]:
-    """This rank's index along each axis (row-major, tensor innermost)."""
+    """This rank's index along each axis (row-major, tensor innermost, then context)."""
     if not 0 <= rank < degrees.world_size:
         raise ValueError(f"rank must be in [0, {degrees.world_size}), got {rank}")
     coords = {}
@@ -155,38 +183,83 @@ class ParallelMesh:
         return self.coords["pipeline"]
 
     @property
+    def context_rank(self) -> int:
+        return self.coords["context"]
+
+    @property
     def data_parallel_rank(self) -> int:
         """Index of this rank's data shard: replicas x shards, shard innermost."""
         return self.coords["replicate"] * self.degrees.shard_degree + self.coords["shard"]
 
     @cached_property
     def device_mesh(self):  # -> torch.distributed.device_mesh.DeviceMesh
-        """The 4-D ``DeviceMesh`` (a collective call: every rank builds it at the same point)."""
+        """The 5-D ``DeviceMesh`` (a collective call: every rank builds it at the same point)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
             raise RuntimeError("a DeviceMesh needs a process group; launch with several processes")
         mesh = init_device_mesh(self.topology.device.type, self.degrees.shape,
                                 mesh_dim_names=AXES)
-        if self.degrees.shard_degree > 1 and self.degrees.tensor_degree > 1:
+        d = self.degrees
+        if d.shard_degree > 1 and d.tensor_degree > 1:
             # FSDP over tensor-parallel pieces: whole() gathers such a parameter in one
             # all_gather over shard x tensor. Built here, where every rank is, because
             # the stages of a pipeline need not all hold such a parameter.
             flattened_group(mesh["shard", "tensor"])
+        if d.context_degree > 1:
+            # FSDP shards over shard x context (the cp ranks hold the same parameters).
+            flattened_group(mesh["shard", "context"], name="fsdp")
         return mesh
+
+    def fsdp_mesh(self):
+        """The mesh FSDP shards over: ``shard`` (``shard x context`` flattened with cp), with
+        ``replicate`` as HSDP's outer axis when there are replicas."""
+        shard = "fsdp" if self.degrees.context_degree > 1 else "shard"
+        self.device_mesh  # noqa: B018  (builds the flattened axis first)
+        if self.degrees.replicate_degree > 1:
+            return self.device_mesh["replicate", shard]
+        return self.device_mesh[shard]
+
+    @cached_property
+    def expert_mesh(self):  # -> DeviceMesh
+        """``pipeline x replicate x expert_shard x expert x tensor``: ``shard x context``
+        flattened and cut into groups of ``expert_degree`` consecutive ranks (a collective
+        call). Experts are split over ``expert`` and FSDP-sharded over ``expert_shard``."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        d = self.degrees
+        borrowed = d.shard_degree * d.context_degree
+        return init_device_mesh(
+            self.topology.device.type,
+            (d.pipeline_degree, d.replicate_degree, borrowed // d.expert_degree,
+             d.expert_degree, d.tensor_degree),
+            mesh_dim_names=("pipeline", "replicate", "expert_shard", "expert", "tensor"))
 
     @cached_property
     def data_parallel_group(self) -> dist.ProcessGroup:
-        """The ranks that read different data (``replicate x shard``) and share this rank's
-        pipeline and tensor coordinates. A collective call the first time: every rank
-        asks at the same point."""
+        """The *batch* ranks: those that read different data (``replicate x shard``) and
+        share this rank's pipeline, context and tensor coordinates. A collective call the
+        first time: every rank asks at the same point."""
         d = self.degrees
         if d.replicate_degree == 1 or d.shard_degree == 1:
             return self.group("replicate" if d.shard_degree == 1 else "shard")
-        # Two data axes: one group per (pipeline, tensor) pair over both of them.
-        groups = [[self.global_rank(pipeline=p, tensor=t, replicate=r, shard=s)
-                   for r in range(d.replicate_degree) for s in range(d.shard_degree)]
-                  for p in range(d.pipeline_degree) for t in range(d.tensor_degree)]
+        return self._group_over("replicate", "shard")
+
+    @cached_property
+    def loss_group(self) -> dist.ProcessGroup:
+        """The *loss* ranks: batch x context, over which losses and metrics are averaged
+        (each cp rank holds a slice of the same samples). A collective the first time."""
+        if self.degrees.context_degree == 1:
+            return self.data_parallel_group
+        return self._group_over("replicate", "shard", "context")
+
+    def _group_over(self, *axes: str) -> dist.ProcessGroup:
+        # One group per combination of the other axes' coordinates, over ``axes``.
+        d = dict(zip(AXES, self.degrees.shape))
+        others = [a for a in AXES if a not in axes]
+        groups = []
+        for fixed in _grid(others, d):
+            groups.append([self.global_rank(**fixed, **free) for free in _grid(list(axes), d)])
         mine, _ = dist.new_subgroups_by_enumeration(groups)
         return mine
 
@@ -205,3 +278,11 @@ class ParallelMesh:
         for axis, size in zip(AXES, self.degrees.shape):
             rank = rank * size + merged[axis]
         return rank
+
+
+def _grid(axes: list[str], sizes: dict[str, int]) -> list[dict[str, int]]:
+    """Every combination of coordinates along ``axes``, the last one fastest."""
+    combos: list[dict[str, int]] = [{}]
+    for axis in axes:
+        combos = [{**c, axis: i} for c in combos for i in range(sizes[axis])]
+    return combos

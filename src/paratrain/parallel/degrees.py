@@ -7,9 +7,11 @@ against the job (product = world size, tensor inside a node) and gives the
 
 Example:
     >>> Parallel.parse("dp_shard=-1,tp=2").resolve(world_size=8).shape
-    (1, 1, 4, 2)
+    (1, 1, 4, 1, 2)
     >>> Parallel.parse({"dp_replicate": 2, "dp_shard": 2}).resolve(world_size=4).shape
-    (1, 2, 2, 1)
+    (1, 2, 2, 1, 1)
+    >>> Parallel.parse("ep=2").resolve(world_size=2).shape     # dp_shard fills the world
+    (1, 1, 2, 1, 1)
 """
 
 from __future__ import annotations
@@ -19,20 +21,27 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from paratrain.distributed.mesh import ParallelDegrees
-from paratrain.parallel.options import Pipeline, Sharding, TensorParallel
+from paratrain.parallel.options import ContextParallel, Pipeline, Sharding, TensorParallel
 
-DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Degree fields, outermost mesh axis first (the order of ``ParallelDegrees.shape``)."""
 
-_OPTIONS = {"tensor": TensorParallel, "sharding": Sharding, "pipeline": Pipeline}
+NAMES = (*DEGREES, "ep")
+"""Every degree a layout names: the mesh's axes and ``ep``, which borrows ranks."""
+
+_OPTIONS = {"tensor": TensorParallel, "sharding": Sharding, "pipeline": Pipeline,
+            "context": ContextParallel}
+_OPTION_DEGREE = {"tensor": "tp", "sharding": "dp_shard", "pipeline": "pp", "context": "cp"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """A layout: degrees whose product is the world size, and each parallelism's options.
 
-    Context and expert parallelism will be two more degrees here (see
-    docs/architecture.md, "Adding a dimension").
+    ``ep`` is not part of the product: expert parallel borrows ranks from
+    ``dp_shard x cp`` (it must divide it). With ``ep`` and no data degree given,
+    ``dp_shard`` fills the world (``"ep=2"`` on 2 ranks: data parallel 2, experts split
+    over the same 2 ranks).
     """
 
     dp_replicate: int = 1
@@ -47,6 +56,14 @@ class Parallel:
     pp: int = 1
     """Pipeline stages."""
 
+    cp: int = 1
+    """Ranks that split each sequence (context parallel): attention runs over the whole
+    sequence by ring (or all-to-all) exchanges; losses average over data x cp."""
+
+    ep: int = 1
+    """Ranks over which each mixture-of-experts layer's experts are split (expert
+    parallel, tokens dispatched by all-to-all); borrowed from ``dp_shard x cp``."""
+
     tensor: TensorParallel | None = None
     """Options of tensor parallelism (needs ``tp`` > 1)."""
 
@@ -56,7 +73,12 @@ class Parallel:
     pipeline: Pipeline | None = None
     """Options of the pipeline (needs ``pp`` > 1)."""
 
+    context: ContextParallel | None = None
+    """Options of context parallelism (needs ``cp`` > 1)."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"Parallel.ep must be an integer >= 1, got {self.ep!r}")
         for name in DEGREES:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or (value < 1
@@ -72,7 +94,7 @@ class Parallel:
             if value is not None and not isinstance(value, cls):
                 raise ValueError(f"Parallel.{name} must be a paratrain.{cls.__name__} or None, "
                                  f"got {type(value).__name__}")
-        for name, degree in (("tensor", "tp"), ("sharding", "dp_shard"), ("pipeline", "pp")):
+        for name, degree in _OPTION_DEGREE.items():
             if getattr(self, name) is not None and getattr(self, degree) == 1:
                 raise ValueError(f"Parallel.{name} options need {degree} > 1 (or -1); "
                                  f"set {degree} or drop {name}")
@@ -110,6 +132,9 @@ class Parallel:
         exchange activations at every layer and must share a node.
         """
         given = {name: getattr(self, name) for name in DEGREES}
+        if (self.ep > 1 and given["dp_shard"] == 1 and given["dp_replicate"] == 1
+                and -1 not in given.values()):
+            given["dp_shard"] = -1  # experts borrow the data ranks: they fill the world
         known = math.prod(v for v in given.values() if v != -1)
         for name, value in given.items():
             if value != -1 and world_size % value:
@@ -132,19 +157,25 @@ class Parallel:
             raise ValueError(f"Parallel.tp={given['tp']} does not fit in a node of {node} "
                              "processes; tensor-parallel ranks must share a node: choose a "
                              f"tp that divides {node}")
+        borrowed = given["dp_shard"] * given["cp"]
+        if borrowed % self.ep:
+            raise ValueError(f"Parallel.ep={self.ep} must divide dp_shard x cp = {borrowed} "
+                             "(expert parallel borrows those ranks; tensor-parallel ranks are "
+                             f"not borrowed yet): raise dp_shard or choose an ep dividing {borrowed}")
         return ParallelDegrees(pipeline_degree=given["pp"], replicate_degree=given["dp_replicate"],
-                               shard_degree=given["dp_shard"], tensor_degree=given["tp"])
+                               shard_degree=given["dp_shard"], context_degree=given["cp"],
+                               tensor_degree=given["tp"], expert_degree=self.ep)
 
     def __str__(self) -> str:
-        parts = [f"{name}={getattr(self, name)}" for name in DEGREES
+        parts = [f"{name}={getattr(self, name)}" for name in NAMES
                  if getattr(self, name) != 1]
         return ",".join(parts) or "dp_replicate=1"
 
 
 def describe(degrees: ParallelDegrees) -> str:
     """``dp_replicate=2,dp_shard=2`` for resolved degrees (axes of size 1 left out)."""
-    values = dict(zip(DEGREES, degrees.shape))
-    parts = [f"{name}={values[name]}" for name in DEGREES if values[name] != 1]
+    values = {**dict(zip(DEGREES, degrees.shape)), "ep": degrees.expert_degree}
+    parts = [f"{name}={values[name]}" for name in NAMES if values[name] != 1]
     return ",".join(parts) or "one process"
 
 
@@ -155,9 +186,9 @@ def _parse_string(text: str) -> dict[str, int]:
             continue
         name, sep, value = item.partition("=")
         name = name.strip()
-        if not sep or name not in DEGREES:
+        if not sep or name not in NAMES:
             raise ValueError(f"parallel {text!r}: expected comma-separated degrees such as "
-                             f"'dp_shard=4,tp=2' (names: {', '.join(DEGREES)}), got {item!r}")
+                             f"'dp_shard=4,tp=2' (names: {', '.join(NAMES)}), got {item!r}")
         if name in values:
             raise ValueError(f"parallel {text!r}: {name} is given twice")
         try:

@@ -1,8 +1,11 @@
-"""Typed options of each parallelism, one small dataclass each.
+"""Typed options of each parallelism, one small dataclass each, defined once.
 
 They travel inside :class:`~paratrain.parallel.Parallel` (``tensor=``, ``sharding=``,
-``pipeline=``) and are validated by the options of the code that runs them, so a bad
-value gets the same one-line ``ValueError`` naming the field as ``strategy_options``.
+``pipeline=``, ``context=``) and are the options the runtime reads: the layout strategy
+takes them as they are, and the named presets (``fsdp``, ``tp``, ``pipeline``, ...) turn
+their ``strategy_options`` into them. Each validates itself with a one-line
+``ValueError`` naming the field; this module imports nothing of the runtime, so
+``parallel/`` sits below ``strategies/``.
 """
 
 from __future__ import annotations
@@ -10,10 +13,38 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from torch import nn
+
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+          "embedding_rowwise")
+"""Styles a tensor-parallel plan may name (see :mod:`paratrain.strategies.tensor.plan`)."""
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+"""Pipeline schedules."""
+
+CONTEXT_METHODS = ("ring", "all_to_all")
+"""How attention is computed over a sequence split across the cp ranks."""
+
 
 def _check_bool(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{owner}.{name} must be True or False, got {value!r}")
+
+
+def validate_plan(plan: Any) -> None:
+    """ValueError naming the bad entry unless ``plan`` maps pattern strings to styles."""
+    if plan is None:
+        return
+    if not isinstance(plan, dict) or not plan:
+        raise ValueError(f"plan must be a non-empty dict {{pattern: style}} or None, got {plan!r}")
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"plan pattern must be a non-empty string, got {pattern!r}")
+        if style not in STYLES:
+            hint = ("; norms are sharded by strategy_options={'sequence_parallel': True}, "
+                    "leave them out of the plan" if style == "sequence" else "")
+            raise ValueError(f"plan[{pattern!r}] has style {style!r}; choose one of "
+                             f"{', '.join(STYLES)}{hint}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,32 +52,38 @@ class TensorParallel:
     """Options of tensor parallelism (the ``tp`` degree).
 
     Example:
-        >>> TensorParallel(sequence_parallel=True).as_options()
-        {'sequence_parallel': True}
+        >>> TensorParallel(sequence_parallel=True).sequence_parallel
+        True
     """
 
     plan: dict[str, str] | None = None
-    """``{glob over module names: "colwise" | "rowwise"}``; None: the automatic plan."""
+    """``{glob over module names: style}`` (``"colwise"``, ``"rowwise"``, ...); None: the
+    plan transformers ships with the model, else a registered adapter's, else the
+    automatic plan for standard blocks."""
 
     sequence_parallel: bool = False
     """Shard the residual stream and the norms over the sequence between split layers."""
 
     loss_parallel: bool = False
-    """Split the output layer over the vocabulary; its logits stay sharded."""
+    """Split the output layer over the vocabulary; its logits stay sharded (a DTensor) and
+    ``F.cross_entropy`` on them works as written."""
 
     output_layer: str | None = None
     """The output linear loss parallel splits; None: ``head``, ``lm_head`` or ``output``."""
 
     def __post_init__(self) -> None:
+        validate_plan(self.plan)
         _check_bool("TensorParallel", "sequence_parallel", self.sequence_parallel)
         _check_bool("TensorParallel", "loss_parallel", self.loss_parallel)
-        from paratrain.strategies.tensor.strategy import TPOptions
+        if self.output_layer is not None and (not isinstance(self.output_layer, str)
+                                              or not self.output_layer):
+            raise ValueError(f"output_layer must be a module name, got {self.output_layer!r}")
+        if self.output_layer is not None and not self.loss_parallel:
+            raise ValueError("output_layer is only used with loss_parallel=True; set both")
 
-        TPOptions(**self.as_options())  # the runtime's own checks, once, here
 
-    def as_options(self) -> dict[str, Any]:
-        """The fields that differ from their defaults, as the runtime's option names."""
-        return _changed(self)
+def _is_class_spec(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, type) and issubclass(value, nn.Module))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,31 +91,35 @@ class Sharding:
     """Options of sharded data parallelism (the ``dp_shard`` degree, FSDP2).
 
     Example:
-        >>> Sharding(reshard_after_forward=False).as_options()
-        {'reshard_after_forward': False}
+        >>> Sharding(reshard_after_forward=False).reshard_after_forward
+        False
     """
 
+    wrap_policy: Any = None
+    """Which submodules become their own FSDP unit (all-gathered separately): None = for
+    a Hugging Face model, each block named by its ``_no_split_modules`` and the input
+    embedding and output layer; for other models every direct child that has parameters
+    (a ``ModuleList``/``ModuleDict`` child's members individually); a module class, a class
+    name or a tuple of them; or a predicate ``fn(module) -> bool``. The root is always
+    wrapped last."""
+
     reshard_after_forward: bool = True
-    """Free the gathered parameters after forward (ZeRO-3); False keeps them for
-    backward (ZeRO-2: more memory, one all-gather fewer per step)."""
+    """Free the gathered parameters after each unit's forward (ZeRO-3); False keeps them
+    for backward (ZeRO-2: more memory, one all-gather fewer per step)."""
 
     offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory."""
-
-    wrap_policy: Any = None
-    """Which submodules are their own unit: a class, a class name, a tuple of them or a
-    predicate; None: the model's repeated blocks."""
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2's
+    ``CPUOffloadPolicy``); the optimizer steps on the CPU."""
 
     def __post_init__(self) -> None:
+        policy = self.wrap_policy
+        many = isinstance(policy, (tuple, list))
+        if not (policy is None or _is_class_spec(policy) or (callable(policy) and not many)
+                or (many and policy and all(_is_class_spec(p) for p in policy))):
+            raise ValueError("wrap_policy must be None, a module class, a class name, a tuple "
+                             f"of them or a predicate fn(module) -> bool, got {policy!r}")
         _check_bool("Sharding", "reshard_after_forward", self.reshard_after_forward)
         _check_bool("Sharding", "offload", self.offload)
-        from paratrain.strategies.fsdp import FSDPOptions
-
-        FSDPOptions(**self.as_options())
-
-    def as_options(self) -> dict[str, Any]:
-        """The fields that differ from their defaults, as the runtime's option names."""
-        return _changed(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,35 +127,79 @@ class Pipeline:
     """Options of pipeline parallelism (the ``pp`` degree).
 
     Example:
-        >>> Pipeline(schedule="gpipe", microbatches=8).as_options()
-        {'schedule': 'gpipe', 'num_microbatches': 8}
+        >>> Pipeline(schedule="interleaved_1f1b").num_local_stages
+        2
     """
 
     schedule: str = "1f1b"
-    """``gpipe``, ``1f1b`` or ``interleaved_1f1b``."""
+    """``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (same gradients; 1F1B keeps fewer
+    activations alive; interleaved 1F1B runs several smaller stages per rank, in a loop,
+    so the pipeline fills and drains faster)."""
 
     microbatches: int = 4
-    """Micro-batches per step."""
+    """Micro-batches per step. More shrinks the bubble but makes each one smaller; a batch
+    that does not divide uses the largest divisor below this number."""
 
     stages_per_rank: int | None = None
-    """Stages each rank runs (``interleaved_1f1b``: 2 or more)."""
+    """Stages each rank runs: with ``interleaved_1f1b`` 2 or more (default 2), else 1.
+    Rank ``r`` of ``p`` runs stages ``r, r + p, r + 2p, ...``."""
 
     split_points: tuple[int, ...] | None = None
-    """Where stages 1.. begin (child or block indices); None balances the stages."""
+    """Where stages 1.. begin (``nn.Sequential`` children, or blocks of a model with a
+    ``pipeline_layout()``); None balances the stages."""
 
     def __post_init__(self) -> None:
-        from paratrain.strategies.pipeline.strategy import PipelineOptions
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if (not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool)
+                or self.microbatches < 1):
+            raise ValueError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
+        per_rank = self.stages_per_rank
+        if per_rank is not None and (not isinstance(per_rank, int) or per_rank < 1):
+            raise ValueError(f"stages_per_rank must be an integer >= 1, got {per_rank!r}")
+        if self.schedule == "interleaved_1f1b" and per_rank == 1:
+            raise ValueError("schedule 'interleaved_1f1b' needs stages_per_rank >= 2; "
+                             "use schedule '1f1b' for one stage per rank")
+        if self.schedule != "interleaved_1f1b" and per_rank not in (None, 1):
+            raise ValueError(f"stages_per_rank={per_rank} needs schedule 'interleaved_1f1b'")
+        points = self.split_points
+        if points is not None and (not all(isinstance(p, int) and p > 0 for p in points)
+                                   or list(points) != sorted(set(points))):
+            raise ValueError(
+                f"split_points must be increasing positive child indices, got {points!r}")
 
-        PipelineOptions(**self.as_options())
-
-    def as_options(self) -> dict[str, Any]:
-        """The fields that differ from their defaults, as the runtime's option names."""
-        changed = _changed(self)
-        if "microbatches" in changed:
-            changed["num_microbatches"] = changed.pop("microbatches")
-        return changed
+    @property
+    def num_local_stages(self) -> int:
+        """Stages each rank runs."""
+        return self.stages_per_rank or (2 if self.schedule == "interleaved_1f1b" else 1)
 
 
-def _changed(options: Any) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class ContextParallel:
+    """Options of context parallelism (the ``cp`` degree): a sequence split over ranks.
+
+    Example:
+        >>> ContextParallel(method="all_to_all").method
+        'all_to_all'
+    """
+
+    method: str = "ring"
+    """``ring``: K/V passed around the cp ranks, each step overlapped with attention (no
+    constraint on heads); ``all_to_all`` (Ulysses): heads scattered and the sequence
+    gathered, one all-to-all before and after attention (heads must divide by cp)."""
+
+    load_balanced: bool = True
+    """Cut the sequence into ``2 cp`` chunks and give rank ``r`` chunks ``r`` and
+    ``2 cp - 1 - r`` (causal attention then costs every rank the same)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in CONTEXT_METHODS:
+            raise ValueError(f"ContextParallel.method must be one of {CONTEXT_METHODS}, "
+                             f"got {self.method!r}")
+        _check_bool("ContextParallel", "load_balanced", self.load_balanced)
+
+
+def changed_fields(options: Any) -> dict[str, Any]:
+    """The fields of an options dataclass that differ from their defaults."""
     return {f.name: getattr(options, f.name) for f in fields(options)
             if getattr(options, f.name) != f.default}

@@ -168,7 +168,7 @@ def layout_cost(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
 
 def _layout_cost(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
                  degrees: ParallelDegrees) -> Cost:
-    p, r, s, t = degrees.shape
+    p, r, s, _, t = degrees.shape
     w, layers = hw.world_size, pr.num_layers
     note = f"pipeline {p} x replicate {r} x shard {s} x tensor {t}"
     # Each stage's tensor-rank part of a layer (1/t of the split parameters, all of the
@@ -239,7 +239,7 @@ def _unpipelined(pr: ModelProfile, hw: Hardware, b: int, o: PlanOptions,
     # FSDP's overlap (as fsdp, hybrid's HSDP and fsdp_tp): forward gathers hide behind
     # forward except the first, backward's gathers, reduce-scatters and replica
     # all-reduces behind backward except the last unit's; tensor all-reduces hide nowhere.
-    _, r, s, t = degrees.shape
+    _, r, s, _, t = degrees.shape
     layers = pr.num_layers
     tp_comm, tp_traffic = _tp_comm(pr, hw, b, t)
     split = tp_share(pr.tp_split_fraction, t)

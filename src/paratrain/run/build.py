@@ -91,10 +91,11 @@ def build_parts(config: RunConfig, settings: Settings,
         layout = config.parallel
         if layout is None and settings.parallel is not None:
             layout = Parallel.from_environment(settings.parallel)
-        name, options = resolve_strategy(
+        resolved = resolve_strategy(
             config.strategy, config.strategy_options, layout,
             world_size=topology.world_size, local_world_size=topology.local_world_size)
-        strategy = create_strategy(name, topology, options, timeout_s=config.timeout_s)
+        strategy = create_strategy(resolved.name, topology, resolved.options,
+                                   timeout_s=config.timeout_s, layout=resolved.layout)
         misuse.check_ps_servers(strategy.name, settings.ps_servers)
         precision = Precision(config.precision, topology.device.type)
         if isinstance(strategy, PrecisionPolicy):

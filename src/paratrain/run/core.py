@@ -40,12 +40,17 @@ from paratrain.run.build import build_parts
 from paratrain.run.hooks import AfterStep, FaultHook, HealthHook, PeriodicSave, StopOnSignal
 from paratrain.run.metrics import Metrics
 from paratrain.run.pretrained import Pretrained, setup_model
+from paratrain.run.router_metrics import RouterLoad
 from paratrain.run.samples import SampleCounter
 from paratrain.run.seeding import seed_everything
 from paratrain.run.state import RunState
 from paratrain.run.step import TrainStep
 from paratrain.settings import Settings
-from paratrain.strategies.capabilities import ServerRole, strategy_metrics
+from paratrain.strategies.capabilities import (
+    OrdersParallelisms,
+    ServerRole,
+    strategy_metrics,
+)
 from paratrain.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -114,6 +119,7 @@ class Run(TrainStep, Metrics, Pretrained):
             self.reporter.trackers.current_step = lambda: self.global_step
         self._init_step_checks()
         self.epoch_stats: list[dict[str, float]] = []
+        self._router_load: RouterLoad | None = None  # tokens per expert, for the epoch row
         self._micro_step = 0
         self._backward_in_group = False
         self._counts = GlobalCount()
@@ -178,7 +184,12 @@ class Run(TrainStep, Metrics, Pretrained):
             with self._guard_peers():
                 self._health.check_model(model)
         if self.config.checkpoint_activations is not None:
-            apply_activation_checkpointing(model, self.config.checkpoint_activations)
+            if isinstance(self.strategy, OrdersParallelisms):
+                # At its place in the layout's order (after tp/cp/ep, before FSDP).
+                self.strategy.configure_activation_checkpointing(
+                    self.config.checkpoint_activations)
+            else:
+                apply_activation_checkpointing(model, self.config.checkpoint_activations)
         if self.config.sync_batchnorm:
             model = convert_sync_batchnorm(model, group=self.strategy.data_parallel_group,
                                            group_size=self.strategy.data_parallel_size,
@@ -201,6 +212,7 @@ class Run(TrainStep, Metrics, Pretrained):
             self.close()
             raise SystemExit(0)
         self._wrap_forward(model)
+        self._router_load = RouterLoad.attach(model) or self._router_load
         self.state.register(model, optimizer, scheduler)
         self._optimizers.record(before, self.strategy.unwrap(model), given, optimizer)
         seed_everything(self.config.seed + 1 + self.strategy.random_stream_rank)
@@ -256,6 +268,8 @@ class Run(TrainStep, Metrics, Pretrained):
             persistent_workers=persistent_workers, collate_fn=collate_fn, batched=batched,
             device_resident=device_resident,
         )
+        # This rank's part of each batch (context parallel: a slice of every sequence).
+        loader.local_batch = self.strategy.local_batch
         if train:
             self._check_static_batches(sampler, batch_size)
             self._train_loader = loader
@@ -278,8 +292,12 @@ class Run(TrainStep, Metrics, Pretrained):
             self._samples.restart()
             yield epoch
             self._finish_accumulation()
+            # Router load summed over the ranks that saw different tokens (collective).
+            routed = (self._router_load.epoch_metrics(self.strategy.loss_group,
+                                                      reduce=self.strategy.loss_size > 1)
+                      if self._router_load is not None else {})
             stats = {"epoch": epoch, **self.epoch_throughput(), **strategy_metrics(self.strategy),
-                     "skipped_steps": self._finite.take_epoch_skipped()}
+                     **routed, "skipped_steps": self._finite.take_epoch_skipped()}
             self.epoch_stats.append(stats)
             self.reporter.log(stats, step=self.global_step)
             self.state.epoch = epoch + 1

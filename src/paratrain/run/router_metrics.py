@@ -148,10 +148,10 @@ class RouterLoad:
         """Forget the counts."""
         self._counts = [None] * len(self._routers)
 
-    def epoch_metrics(self, group: Any = None) -> dict[str, float]:
+    def epoch_metrics(self, group: Any = None, *, reduce: bool = True) -> dict[str, float]:
         """Sum the counts over ``group`` (every rank of it must call this; None: the
-        default group, or this process alone when none is initialized), reset them and
-        return, always with these keys:
+        default group, or this process alone when none is initialized; ``reduce=False``:
+        this process's counts alone), reset them and return, always with these keys:
 
         - ``router_max_over_mean_load``: the largest, over layers, of a layer's most
           loaded expert's tokens over its mean tokens per expert (1.0 = even; nan when
@@ -165,7 +165,7 @@ class RouterLoad:
         """
         per_layer = self.counts()
         flat = torch.cat(per_layer)
-        if dist.is_available() and dist.is_initialized():
+        if reduce and dist.is_available() and dist.is_initialized():
             dist.all_reduce(flat, group=group)
         self.reset()
         ratio, low, high = -math.inf, math.inf, -math.inf

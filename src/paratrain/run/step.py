@@ -90,6 +90,12 @@ class TrainStep:
         # micro-batch's loss counts 1/accumulate.
         if self.config.accumulate > 1 and count is None:
             loss = loss / self.config.accumulate
+        if count is None:
+            # Context parallel: a mean over this rank's slice of the sequences, weighted so
+            # that its average over the loss group is the mean over every token.
+            factor = self.strategy.mean_loss_factor()
+            if factor != 1.0:
+                loss = loss * factor
         try:
             with self._guard_peers(), self._hang.phase("backward"):
                 self.strategy.backward(self.precision.scale_loss(loss))

@@ -9,7 +9,6 @@ from typing import Any
 from paratrain.distributed.topology import Topology
 from paratrain.fieldtypes import check_types
 from paratrain.strategies.base import Strategy
-from paratrain.strategies.compose import LayoutPreset
 from paratrain.strategies.table import strategy_entry, strategy_names
 
 
@@ -18,8 +17,9 @@ def available_strategies() -> list[str]:
     return sorted(strategy_names())
 
 
-def strategy_class(name: str) -> type[Strategy] | LayoutPreset:
-    """The class registered under ``name``; ValueError naming the choices otherwise.
+def strategy_class(name: str) -> Any:
+    """The class (or layout preset) registered under ``name``; ValueError naming the
+    choices otherwise.
 
     The class's module is imported only now (see :mod:`paratrain.strategies.table`).
     """
@@ -34,9 +34,14 @@ def resolve_name(name: str, topology: Topology) -> str:
 
 
 def create_strategy(name: str, topology: Topology, options: dict[str, Any] | None = None, *,
-                    timeout_s: float = 300.0) -> Strategy:
+                    timeout_s: float = 300.0, layout: Any = None) -> Strategy:
     """Build the strategy ``name`` with its options validated by its ``Options`` dataclass;
-    ``timeout_s`` bounds every wait for a peer."""
+    ``timeout_s`` bounds every wait for a peer. With ``layout`` (a
+    :class:`~paratrain.parallel.Parallel`), the layout strategy runs it, called ``name``."""
+    if layout is not None:
+        from paratrain.strategies.layout.presets import build_layout
+
+        return build_layout(topology, layout, name=name, timeout_s=timeout_s)
     cls = strategy_class(resolve_name(name, topology))
     options = dict(options or {})
     known = {f.name for f in dataclasses.fields(cls.Options)}

@@ -81,8 +81,30 @@ class Strategy:
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
-        """Group over which metrics are reduced; None means the default (world) group."""
+        """The *batch* group: the ranks that read different data; None means the default
+        (world) group."""
         return None
+
+    # -- losses and metrics: averaged over the loss group ----------------------
+    @property
+    def loss_size(self) -> int:
+        """Ranks over which losses and metrics are averaged: the batch ranks, times the
+        context-parallel ranks (each holds a slice of the same samples)."""
+        return self.data_parallel_size
+
+    @property
+    def loss_group(self) -> dist.ProcessGroup | None:
+        """The *loss* group (see :attr:`loss_size`); None means the default (world) group."""
+        return self.data_parallel_group
+
+    def local_batch(self, batch: Any) -> Any:
+        """This rank's part of a loaded batch (context parallel: a slice of each sequence)."""
+        return batch
+
+    def mean_loss_factor(self) -> float:
+        """What a mean loss of the last batch is multiplied by before backward, so that its
+        average over the loss group is the mean over every element (1.0: nothing to do)."""
+        return 1.0
 
     # -- model and optimizer --------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
@@ -131,23 +153,23 @@ class Strategy:
 
     # -- collectives over the data-parallel group ------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` (a copy) across data-parallel ranks; ``op`` is sum, mean, max or min."""
+        """Reduce ``tensor`` (a copy) across the loss group; ``op`` is sum, mean, max or min."""
         # whole(): a loss over vocabulary-sharded logits (tp's loss_parallel) is a DTensor.
         result = whole(tensor).detach().clone()
-        if self.data_parallel_size > 1:
+        if self.loss_size > 1:
             reduce_op = _REDUCE_OPS["sum" if op == "mean" else op]
-            dist.all_reduce(result, op=reduce_op, group=self.data_parallel_group)
+            dist.all_reduce(result, op=reduce_op, group=self.loss_group)
         if op == "mean":
-            result = result / self.data_parallel_size
+            result = result / self.loss_size
         return result
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Stack ``tensor`` from every data-parallel rank along a new first dimension."""
+        """Stack ``tensor`` from every rank of the loss group along a new first dimension."""
         tensor = whole(tensor).detach().contiguous()
-        if self.data_parallel_size == 1:
+        if self.loss_size == 1:
             return tensor.unsqueeze(0)
-        parts = [torch.empty_like(tensor) for _ in range(self.data_parallel_size)]
-        dist.all_gather(parts, tensor, group=self.data_parallel_group)
+        parts = [torch.empty_like(tensor) for _ in range(self.loss_size)]
+        dist.all_gather(parts, tensor, group=self.loss_group)
         return torch.stack(parts)
 
     def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:

@@ -159,8 +159,19 @@ class ShardsOnMeta(ABC):  # noqa: B024
     receive such a model materialised whole (see :mod:`paratrain.checkpoint.meta_init`)."""
 
 
+class OrdersParallelisms(ABC):
+    """The strategy applies activation checkpointing itself, at its place in the one
+    order of a layout (after tensor, context and expert parallel, before compile and
+    FSDP); for other strategies the run applies it before ``setup_model``."""
+
+    @abstractmethod
+    def configure_activation_checkpointing(self, spec: Any) -> None:
+        """Recompute what ``spec`` names (``RunConfig.checkpoint_activations``) in the
+        next ``setup_model``."""
+
+
 CAPABILITIES: tuple[type, ...] = (ShardedState, ServerRole, LockstepEvaluation, PrecisionPolicy,
-                                  ReportsMetrics, Compiles, ShardsOnMeta)
+                                  ReportsMetrics, Compiles, ShardsOnMeta, OrdersParallelisms)
 """Every optional capability, for tools that list what a strategy offers."""
 
 

@@ -42,7 +42,7 @@ class StrategyEntry:
 
     target: str
     """``module:Class`` of the runtime strategy, or ``module:PRESET`` of a
-    :class:`~paratrain.strategies.compose.LayoutPreset` that builds one."""
+    :class:`~paratrain.strategies.layout.presets.LayoutPreset` that builds one."""
 
     cost_model: str = ""
     """``module:attribute`` of its :class:`~paratrain.plan.costs.CostModel`; empty only
@@ -99,17 +99,17 @@ STRATEGY_TABLE: tuple[StrategyEntry, ...] = (
                   cost_model=f"{_COSTS}:DDP", gpu_bench_precisions=("32", "bf16-mixed")),
     StrategyEntry(name="zero1", target=f"{_RUNTIME}.zero.zero1:Zero1Strategy",
                   cost_model=f"{_COSTS}:ZERO1"),
-    StrategyEntry(name="zero2", target=f"{_RUNTIME}.zero.zero2:Zero2Strategy",
+    StrategyEntry(name="zero2", target=f"{_RUNTIME}.layout.presets:ZERO2",
                   cost_model=f"{_COSTS}:ZERO2"),
-    StrategyEntry(name="fsdp", target=f"{_RUNTIME}.fsdp:FSDPStrategy",
+    StrategyEntry(name="fsdp", target=f"{_RUNTIME}.layout.presets:FSDP",
                   cost_model=f"{_COSTS}:FSDP", gpu_bench_precisions=("32",)),
-    StrategyEntry(name="pipeline", target=f"{_RUNTIME}.pipeline.strategy:PipelineStrategy",
+    StrategyEntry(name="pipeline", target=f"{_RUNTIME}.layout.presets:PIPELINE",
                   cost_model=f"{_COSTS}:PIPELINE"),
-    StrategyEntry(name="hybrid", target=f"{_RUNTIME}.hybrid:HYBRID",
+    StrategyEntry(name="hybrid", target=f"{_RUNTIME}.layout.presets:HYBRID",
                   cost_model=f"{_COSTS}:HYBRID"),
-    StrategyEntry(name="tp", target=f"{_RUNTIME}.tensor.strategy:TPStrategy",
+    StrategyEntry(name="tp", target=f"{_RUNTIME}.layout.presets:TP",
                   cost_model=f"{_COSTS}:TP"),
-    StrategyEntry(name="fsdp_tp", target=f"{_RUNTIME}.tensor.strategy:FSDPTPStrategy",
+    StrategyEntry(name="fsdp_tp", target=f"{_RUNTIME}.layout.presets:FSDP_TP",
                   cost_model=f"{_COSTS}:FSDP_TP"),
     StrategyEntry(name="ps", target=f"{_RUNTIME}.ps.strategy:PSStrategy",
                   cost_model=f"{_COSTS}:PS", server_processes=1, server_flag="--ps-servers"),

@@ -39,10 +39,10 @@ def apply_expert_parallel(model: nn.Module, group: Any, *, balance_group: Any = 
                              f"{layer.num_experts}")
         local = layer.num_experts // ep
         for name in ("w_in", "w_out"):
-            whole = getattr(layer, name)
+            whole = getattr(layer.experts, name)
             piece = whole.detach()[rank * local:(rank + 1) * local].clone()
-            setattr(layer, name, nn.Parameter(piece, requires_grad=whole.requires_grad))
-        layer.expert_group = group
+            setattr(layer.experts, name, nn.Parameter(piece, requires_grad=whole.requires_grad))
+        layer.experts.group = group
         layer.balance_group = balance_group if balance_group is not None else group
     return len(layers)
 

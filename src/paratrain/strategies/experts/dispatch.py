@@ -42,6 +42,28 @@ def _exchange(tensor: torch.Tensor, group: Any, send: list[int],
     return out
 
 
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor`` as it is, its gradient multiplied by ``factor`` (1.0: unchanged).
+
+    An expert weight's gradient sums every token routed to it from its whole expert group
+    (the all-to-all's backward); FSDP then averages it over the ranks holding the same
+    experts. ``1 / ep`` here makes that the average over all the data ranks, as the dense
+    weights' is (FSDP's own divide factor needs ``PREMUL_SUM``, which gloo lacks).
+    """
+    return tensor if factor == 1.0 else _ScaleGradient.apply(tensor, factor)
+
+
 def _by_expert(counts: torch.Tensor) -> torch.Tensor:
     """Index that reorders rows laid out source-major (``counts[source, expert]`` rows
     each) into expert-major order (each expert's rows from source 0, 1, ...)."""

@@ -30,7 +30,39 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.strategies.experts.dispatch import run_experts
+from paratrain.strategies.experts.dispatch import run_experts, scale_gradient
+
+
+class StackedExperts(nn.Module):
+    """The experts of one layer, weights stacked along the expert dimension.
+
+    Its own module so that its weights are placed apart from the dense ones: expert
+    parallel keeps a slice of the experts per rank and FSDP shards them over the ranks
+    that hold the same slice (see :mod:`paratrain.strategies.layout.apply`). Its forward
+    runs every (sorted) token copy through its expert, wherever that expert lives.
+    """
+
+    def __init__(self, *, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_in = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        nn.init.normal_(self.w_in, std=0.02)
+        nn.init.normal_(self.w_out, std=0.02)
+        self.group: Any = None
+        """Expert-parallel group: this rank holds ``num_experts / ep`` of the experts."""
+        self.grad_scale = 1.0
+        """Factor on the weights' gradients (``1 / ep`` under FSDP, see ``scale_gradient``)."""
+
+    def forward(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """``rows`` sorted by ``expert_ids``, through their experts (in that order)."""
+        w_in = scale_gradient(self.w_in, self.grad_scale)
+        w_out = scale_gradient(self.w_out, self.grad_scale)
+
+        def expert(index: int, chunk: torch.Tensor) -> torch.Tensor:
+            return F.gelu(chunk @ w_in[index]) @ w_out[index]
+
+        return run_experts(rows, expert_ids, self.num_experts, expert, self.group)
 
 
 class MoE(nn.Module):
@@ -54,19 +86,24 @@ class MoE(nn.Module):
                              f"got {top_k!r}")
         self.num_experts, self.top_k, self.global_balance = num_experts, top_k, global_balance
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.w_in = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w_out = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        nn.init.normal_(self.w_in, std=0.02)
-        nn.init.normal_(self.w_out, std=0.02)
-        self.expert_group: Any = None
-        """Expert-parallel group (set by :func:`~.apply.apply_expert_parallel`)."""
+        self.experts = StackedExperts(num_experts=num_experts, dim=dim, hidden=hidden)
         self.balance_group: Any = None
         """Group the balance loss's counts are summed over when ``global_balance``."""
         self.balance_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
-    def _expert(self, index: int, rows: torch.Tensor) -> torch.Tensor:
-        return F.gelu(rows @ self.w_in[index]) @ self.w_out[index]
+    @property
+    def expert_group(self) -> Any:
+        """Expert-parallel group (set by :func:`~.apply.apply_expert_parallel`), or None."""
+        return self.experts.group
+
+    @property
+    def w_in(self) -> nn.Parameter:
+        return self.experts.w_in
+
+    @property
+    def w_out(self) -> nn.Parameter:
+        return self.experts.w_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -77,8 +114,7 @@ class MoE(nn.Module):
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)
         source = order // self.top_k
-        outputs = run_experts(tokens.index_select(0, source), flat.index_select(0, order),
-                              self.num_experts, self._expert, self.expert_group)
+        outputs = self.experts(tokens.index_select(0, source), flat.index_select(0, order))
         weighted = outputs * weights.flatten().index_select(0, order).unsqueeze(-1)
         combined = torch.zeros_like(tokens).index_add(0, source, weighted)
         self._route_statistics(probs, flat)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.strategies.experts.dispatch import run_experts
+from paratrain.strategies.experts.dispatch import run_experts, scale_gradient
 
 _DEFAULT_LAYOUT = {"is_transposed": False, "is_concatenated": True, "has_bias": False,
                    "has_gate": True, "has_post_expert_norm": False}
@@ -66,11 +66,19 @@ class DispatchedExperts(nn.Module):
             self.register_parameter(name, nn.Parameter(piece, requires_grad=whole.requires_grad))
         self.act_fn = experts.act_fn
         self.group = group
+        self.grad_scale = 1.0
+        """Factor on the weights' gradients (``1 / ep`` under FSDP, see ``scale_gradient``)."""
         self.tokens_per_expert: torch.Tensor | None = None
 
-    def _expert(self, index: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows, self.gate_up_proj[index]).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj[index])
+    def _experts(self) -> Any:
+        gate_up = scale_gradient(self.gate_up_proj, self.grad_scale)
+        down = scale_gradient(self.down_proj, self.grad_scale)
+
+        def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
+            gate, up = F.linear(rows, gate_up[index]).chunk(2, dim=-1)
+            return F.linear(self.act_fn(gate) * up, down[index])
+
+        return expert
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -79,7 +87,7 @@ class DispatchedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)
         source = order // top_k
         outputs = run_experts(hidden_states.index_select(0, source), flat.index_select(0, order),
-                              self.num_experts, self._expert, self.group)
+                              self.num_experts, self._experts(), self.group)
         weighted = outputs * top_k_weights.flatten().index_select(0, order).unsqueeze(-1)
         # This rank's routing counts, for statistics; no collective in the step.
         self.tokens_per_expert = torch.bincount(flat, minlength=self.num_experts).float()

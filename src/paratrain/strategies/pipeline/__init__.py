@@ -1,6 +1,7 @@
-"""Pipeline parallelism through ``torch.distributed.pipelining``."""
+"""Pipeline parallelism through ``torch.distributed.pipelining``: the pipeline axis of a
+layout (:class:`~paratrain.strategies.pipeline.stages.PipelineStages`)."""
 
 from paratrain.strategies.pipeline.layout import PipelineLayout
-from paratrain.strategies.pipeline.strategy import PipelineOptions, PipelineStrategy
+from paratrain.strategies.pipeline.stages import PipelineStages
 
-__all__ = ["PipelineLayout", "PipelineOptions", "PipelineStrategy"]
+__all__ = ["PipelineLayout", "PipelineStages"]

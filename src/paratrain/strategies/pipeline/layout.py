@@ -110,7 +110,7 @@ def block_ranges(costs: list[float], num_stages: int) -> list[range]:
 
 def ranges_from_points(num_blocks: int, num_stages: int, points: tuple[int, ...], *,
                        kind: str = "block") -> list[range]:
-    """Stages starting at the given ``kind`` indices (``PipelineOptions.split_points``)."""
+    """Stages starting at the given ``kind`` indices (``Pipeline.split_points``)."""
     if len(points) != num_stages - 1 or points[-1] >= num_blocks:
         raise ValueError(f"split_points={tuple(points)} must give {num_stages - 1} {kind} "
                          f"indices below {num_blocks} for {num_stages} stages")

@@ -1,10 +1,7 @@
-"""Tensor parallelism through DTensor (``tp``) and its 2-D layout with FSDP (``fsdp_tp``)."""
+"""Tensor parallelism through DTensor: plans (:mod:`.plan`), sequence and loss parallel
+(:mod:`.sequence`) and how they are applied (:mod:`.apply`), the ``tensor`` axis of a
+layout."""
 
-from paratrain.strategies.tensor.strategy import (
-    FSDPTPOptions,
-    FSDPTPStrategy,
-    TPOptions,
-    TPStrategy,
-)
+from paratrain.strategies.tensor.apply import apply_tensor_parallel, complete_gradients
 
-__all__ = ["FSDPTPOptions", "FSDPTPStrategy", "TPOptions", "TPStrategy"]
+__all__ = ["apply_tensor_parallel", "complete_gradients"]

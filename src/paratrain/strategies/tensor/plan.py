@@ -43,6 +43,7 @@ from torch import nn
 from paratrain.adapters import adapter_for, user_adapter_for
 from paratrain.adapters.transformers_plans import transformers_plan
 from paratrain.distributed._compat import transposed_linear_style
+from paratrain.parallel.options import STYLES, validate_plan
 from paratrain.strategies.tensor.automatic import (
     COLWISE_NAMES,
     FUSED_QKV_NAMES,
@@ -56,9 +57,6 @@ __all__ = ["COLWISE_NAMES", "FUSED_QKV_NAMES", "HEAD_ATTRIBUTES", "ROWWISE_NAMES
            "automatic_plan", "check_divisible", "parallel_style", "resolve_plan",
            "shard_heads", "split_attributes", "validate_plan"]
 
-STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
-          "embedding_rowwise")
-"""Styles a plan may name (see the module doc)."""
 
 HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads",
                    "num_key_value_heads", "num_kv_heads", "n_kv_heads")
@@ -67,22 +65,6 @@ HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads",
 CONFIG_HEAD_ATTRIBUTES = ("num_attention_heads", "num_key_value_heads")
 """Head counts of a Hugging Face config, which the degree must divide (the attention
 infers its share from the split width; the config itself is left as it is)."""
-
-
-def validate_plan(plan: Any) -> None:
-    """ValueError naming the bad entry unless ``plan`` maps pattern strings to styles."""
-    if plan is None:
-        return
-    if not isinstance(plan, dict) or not plan:
-        raise ValueError(f"plan must be a non-empty dict {{pattern: style}} or None, got {plan!r}")
-    for pattern, style in plan.items():
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"plan pattern must be a non-empty string, got {pattern!r}")
-        if style not in STYLES:
-            hint = ("; norms are sharded by strategy_options={'sequence_parallel': True}, "
-                    "leave them out of the plan" if style == "sequence" else "")
-            raise ValueError(f"plan[{pattern!r}] has style {style!r}; choose one of "
-                             f"{', '.join(STYLES)}{hint}")
 
 
 def resolve_plan(model: nn.Module, plan: dict[str, str] | None) -> dict[str, str]:

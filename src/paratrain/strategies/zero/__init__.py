@@ -1,2 +1,2 @@
-"""ZeRO stages 1 and 2: data parallel with the optimizer state (``zero1``) or also the
-gradients (``zero2``) sharded over the ranks, parameters whole on every rank."""
+"""ZeRO stage 1: data parallel with the optimizer state sharded over the ranks (``zero1``);
+``zero2`` is the layout preset ``dp_shard`` with ``reshard_after_forward=False``."""
