@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from paratrain.bench.layouts import split_rows
 from paratrain.bench.rows import ACCELERATORS
 from paratrain.bench.runner import BenchConfig, bench
 from paratrain.bench.worker import DEMO_MODEL, OPTIMIZERS
@@ -28,12 +29,17 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain bench", description=__doc__.splitlines()[0])
     add = p.add_argument
-    add("model", nargs="?", default=DEMO_MODEL,
-        help=f"MODULE:CALLABLE returning an nn.Module (default {DEMO_MODEL})")
-    add("--input-shape", default="1,28,28", help="shape of one sample (default 1,28,28)")
+    add("model", nargs="?", default=None,
+        help=f"MODULE:CALLABLE returning an nn.Module (default {DEMO_MODEL}; with cp or ep "
+             "rows the bench's GPT, paratrain.bench.layouts:gpt or :gpt_moe)")
+    add("--input-shape", default=None,
+        help="shape of one sample (default 1,28,28; 64 for the token workloads)")
+    add("--vocab-size", type=int, default=None,
+        help="token inputs below this (a language model; default: the token workloads' own)")
     add("--strategies", default=None,
-        help="comma-separated STRATEGY or STRATEGY+PRECISION (default: on CUDA "
-             "single,ddp,ddp+bf16-mixed,fsdp,dp; on CPU all registered)")
+        help="comma-separated STRATEGY, STRATEGY+PRECISION or a layout of degrees such as "
+             "cp=2 or 'dp_shard=2,cp=2' (separate two layouts with ';': 'cp=2;ep=2') "
+             "(default: on CUDA single,ddp,ddp+bf16-mixed,fsdp,dp; on CPU all registered)")
     add("--precision", default="32",
         help="comma-separated precisions for strategies named without one (default 32)")
     add("--accelerator", choices=ACCELERATORS, default="auto",
@@ -65,11 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        strategies = None if args.strategies is None else tuple(
-            s.strip() for s in args.strategies.split(",") if s.strip())
+        strategies = None if args.strategies is None else tuple(split_rows(args.strategies))
         world_sizes = None if args.world_sizes is None else _ints(args.world_sizes, "--world-sizes")
         config = BenchConfig(
-            model=args.model, input_shape=_ints(args.input_shape, "--input-shape"),
+            model=args.model, vocab_size=args.vocab_size,
+            input_shape=None if args.input_shape is None else _ints(args.input_shape,
+                                                                    "--input-shape"),
             strategies=strategies, precisions=tuple(args.precision.split(",")),
             accelerator=args.accelerator, world_sizes=world_sizes,
             batch_size=args.batch_size, warmup_steps=args.warmup, steps=args.steps,

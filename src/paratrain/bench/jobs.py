@@ -32,7 +32,9 @@ def worker_argv(spec_path: Path, out_dir: Path) -> list[str]:
 
 def server_args(strategy: str) -> tuple[int, list[str]]:
     """``(extra processes, launcher flags)`` for ``strategy`` (0 and none for most), from
-    the strategy table; ValueError for an unknown name."""
+    the strategy table; ValueError for an unknown name. A layout row (``cp=2``) has none."""
+    if "=" in strategy:
+        return 0, []
     entry = strategy_entry(strategy)
     count = entry.server_processes
     return count, ([entry.server_flag, str(count)] if count else [])

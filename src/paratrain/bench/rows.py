@@ -1,7 +1,9 @@
 """Which configurations ``paratrain bench`` measures: rows (a strategy at a precision), the
 device and the world sizes, each resolved from the request and from what this machine has.
 
-A row is named ``STRATEGY`` (float32) or ``STRATEGY+PRECISION``, e.g. ``ddp+bf16-mixed``.
+A row is named ``STRATEGY`` (float32) or ``STRATEGY+PRECISION``, e.g. ``ddp+bf16-mixed``,
+or is a layout of degrees (``cp=2``, ``dp_shard=2,cp=2+bf16-mixed``; see
+:mod:`paratrain.bench.layouts`), labelled by its canonical degree string.
 On a machine with CUDA the default rows are the seeds' comparison table
 (:data:`GPU_DEFAULT_ROWS`, the strategy table's ``gpu_bench_precisions``); on CPU they are
 every registered strategy at float32, in the strategy table's order.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from paratrain.bench.layouts import is_layout, layout_label
 from paratrain.config import PRECISIONS
 from paratrain.strategies.table import STRATEGY_TABLE, strategy_names
 
@@ -34,7 +37,8 @@ ACCELERATORS = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class RowSpec:
-    """One row of the table: a registered strategy at one of ``Run``'s precisions."""
+    """One row of the table: a registered strategy (or a layout's degree string, e.g.
+    ``dp_shard=2,cp=2``) at one of ``Run``'s precisions."""
 
     strategy: str
     precision: str = "32"
@@ -43,6 +47,11 @@ class RowSpec:
     def label(self) -> str:
         """``ddp`` for float32, ``ddp+bf16-mixed`` otherwise."""
         return self.strategy if self.precision == "32" else f"{self.strategy}+{self.precision}"
+
+    @property
+    def layout(self) -> bool:
+        """Whether the row is a layout of degrees, run as ``Run(parallel=...)``."""
+        return is_layout(self.strategy)
 
 
 def resolve_accelerator(requested: str) -> str:
@@ -82,7 +91,8 @@ def resolve_rows(requested: Sequence[str] | None, *, precisions: Sequence[str] =
     """Rows to measure, the reference first, otherwise in the requested (or table) order.
 
     ``requested`` items are ``STRATEGY`` (measured at every one of ``precisions``) or
-    ``STRATEGY+PRECISION`` (at that precision only). None means :data:`GPU_DEFAULT_ROWS` on
+    ``STRATEGY+PRECISION`` (at that precision only); a ``STRATEGY`` with ``=`` is a layout
+    of degrees (``cp=2``), labelled canonically. None means :data:`GPU_DEFAULT_ROWS` on
     CUDA, else every registered strategy. Unknown names are a ValueError listing the choices.
     """
     known = strategy_names()
@@ -94,8 +104,11 @@ def resolve_rows(requested: Sequence[str] | None, *, precisions: Sequence[str] =
         name, plus, precision = item.partition("+")
         if plus:
             parse_precisions([precision])
+        if is_layout(name):
+            name = layout_label(name)
         rows += [RowSpec(name, p) for p in ((precision,) if plus else precisions)]
-    unknown = list(dict.fromkeys(r.strategy for r in rows if r.strategy not in known))
+    unknown = list(dict.fromkeys(r.strategy for r in rows
+                                 if r.strategy not in known and not r.layout))
     if unknown:
         raise ValueError(f"strategies: unknown {', '.join(unknown)}; registered: {', '.join(known)}")
     # The reference first, so scaling efficiency has its baseline early in the table.

@@ -8,7 +8,8 @@ process only, parameter-server processes and their launcher flag). Each row x wo
 runs as its own job through the real launcher (``paratrain launch ... -m
 paratrain.bench.worker``) on synthetic data of the model's input shape, with warm-up and
 repeated timing windows. A strategy that cannot run a configuration is listed as skipped
-with the reason.
+with the reason. A row may also be a layout of degrees (``cp=2``, ``ep=2``; see
+:mod:`paratrain.bench.layouts`), run as ``Run(parallel=...)``.
 
 Example::
 
@@ -29,6 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from paratrain.bench import jobs as bench_jobs
+from paratrain.bench.layouts import (
+    TOKEN_WORKLOADS,
+    ModelFacts,
+    layout_refusal,
+    model_facts,
+    pick_model,
+)
 from paratrain.bench.report import BenchReport, BenchRow, add_scaling_efficiency, row_from_results
 from paratrain.bench.rows import (
     ACCELERATORS,
@@ -40,7 +48,7 @@ from paratrain.bench.rows import (
     resolve_accelerator,
     resolve_rows,
 )
-from paratrain.bench.worker import DEMO_MODEL, JobSpec, load_factory
+from paratrain.bench.worker import JobSpec, load_factory
 
 __all__ = ["BenchConfig", "bench", "preflight", "resolve_strategies"]
 
@@ -49,13 +57,19 @@ __all__ = ["BenchConfig", "bench", "preflight", "resolve_strategies"]
 class BenchConfig:
     """What ``paratrain bench`` measures and how long it may take."""
 
-    model: str = DEMO_MODEL
-    """``module:callable`` returning the ``nn.Module`` (default: the demo ConvNet)."""
-    input_shape: tuple[int, ...] = (1, 28, 28)
-    """Shape of one sample; inputs are random tensors of this shape."""
+    model: str | None = None
+    """``module:callable`` returning the ``nn.Module``; None: the demo ConvNet, or the bench's
+    GPT (:mod:`paratrain.bench.layouts`) when a row has ``cp``, its MoE GPT when one has ``ep``."""
+    input_shape: tuple[int, ...] | None = None
+    """Shape of one sample; inputs are random tensors of this shape. None: the token
+    workloads' ``(64,)``, else ``(1, 28, 28)``."""
+    vocab_size: int | None = None
+    """Set: inputs are int64 token ids below it (a language model); None: the token
+    workloads' vocabulary, else float inputs."""
     strategies: tuple[str, ...] | None = None
-    """Rows: ``STRATEGY`` or ``STRATEGY+PRECISION`` (e.g. ``ddp+bf16-mixed``); None means the
-    seeds' table (``single, ddp, ddp+bf16-mixed, fsdp, dp``) on CUDA, else every registered one."""
+    """Rows: ``STRATEGY`` or ``STRATEGY+PRECISION`` (e.g. ``ddp+bf16-mixed``), or a layout of
+    degrees (``cp=2``, ``dp_shard=2,cp=2``, ``ep=2``); None means the seeds' table
+    (``single, ddp, ddp+bf16-mixed, fsdp, dp``) on CUDA, else every registered one."""
     precisions: tuple[str, ...] = ("32",)
     """Precisions each ``STRATEGY`` without ``+PRECISION`` is measured at."""
     accelerator: str = "auto"
@@ -83,6 +97,13 @@ class BenchConfig:
     """If > 0, each job also times all-reduces of this size to report the link bandwidth."""
 
     def __post_init__(self) -> None:
+        if self.model is None:
+            object.__setattr__(self, "model", pick_model(self.strategies))
+        workload = TOKEN_WORKLOADS.get(self.model)
+        if self.input_shape is None:
+            object.__setattr__(self, "input_shape", workload[0] if workload else (1, 28, 28))
+        if self.vocab_size is None and workload:
+            object.__setattr__(self, "vocab_size", workload[1])
         object.__setattr__(self, "input_shape", tuple(self.input_shape))
         object.__setattr__(self, "precisions", parse_precisions(self.precisions))
         if self.accelerator not in ACCELERATORS:
@@ -108,7 +129,7 @@ class BenchConfig:
 
     def job_spec(self, strategy: str, precision: str = "32", accelerator: str = "auto") -> JobSpec:
         return JobSpec(strategy=strategy, model=self.model, input_shape=self.input_shape,
-                       batch_size=self.batch_size, warmup_steps=self.warmup_steps,
+                       vocab_size=self.vocab_size, batch_size=self.batch_size, warmup_steps=self.warmup_steps,
                        steps=self.steps, repeats=self.repeats, optimizer=self.optimizer,
                        link_probe_bytes=self.link_probe_bytes, precision=precision,
                        accelerator=accelerator)
@@ -120,28 +141,35 @@ def resolve_strategies(requested: Sequence[str] | None, *, cuda: bool = False) -
     return [r.label for r in resolve_rows(requested, accelerator="cuda" if cuda else "cpu")]
 
 
-def check_model(config: BenchConfig) -> None:
+def check_model(config: BenchConfig) -> ModelFacts:
     """Build the model and run one forward pass on 2 samples, so a wrong ``model`` or
-    ``input_shape`` fails here with one line instead of in every launched job."""
+    ``input_shape`` fails here with one line instead of in every launched job; returns
+    what layout rows need to know of it."""
     import torch
     from torch import nn
 
     model = load_factory(config.model)()
     if not isinstance(model, nn.Module):
         raise ValueError(f"model {config.model!r} returned {type(model).__name__}, not an nn.Module")
+    sample = (torch.randn(2, *config.input_shape) if config.vocab_size is None
+              else torch.randint(config.vocab_size, (2, *config.input_shape)))
     try:
-        with torch.no_grad():
-            model(torch.randn(2, *config.input_shape))
+        return model_facts(model, sample, config.model, vocab_size=config.vocab_size)
     except Exception as exc:  # shape mismatch and the like: the input shape's fault
         text = str(exc).strip().splitlines()
         raise ValueError(f"input_shape {config.input_shape}: forward of {config.model!r} failed: "
                          f"{type(exc).__name__}: {text[0] if text else ''}") from None
 
 
-def preflight(strategy: str, world_size: int, accelerator: str = "cpu") -> str:
-    """Why ``strategy`` cannot run on ``world_size`` processes, or "" when it may."""
+def preflight(strategy: str, world_size: int, accelerator: str = "cpu",
+              facts: ModelFacts | None = None) -> str:
+    """Why ``strategy`` (or a layout row, ``cp=2``, with the model's ``facts``) cannot run on
+    ``world_size`` processes, or "" when it may."""
     from paratrain.strategies.table import strategy_entry
 
+    if "=" in strategy:
+        return layout_refusal(strategy, world_size, facts) or gpu_shortfall(world_size,
+                                                                            accelerator)
     entry = strategy_entry(strategy)
     try:
         entry.load_class()
@@ -175,10 +203,11 @@ def _refusal(strategy: str, world_size: int) -> str:
 
 
 def run_one(config: BenchConfig, strategy: str, world_size: int, workdir: Path, *,
-            precision: str = "32", accelerator: str = "cpu") -> BenchRow:
+            precision: str = "32", accelerator: str = "cpu",
+            facts: ModelFacts | None = None) -> BenchRow:
     """Launch one configuration and aggregate its ranks' results."""
     kept = {"precision": precision, "device": accelerator}
-    reason = preflight(strategy, world_size, accelerator)
+    reason = preflight(strategy, world_size, accelerator, facts)
     if reason:
         return BenchRow(strategy=strategy, world_size=world_size, status="skipped", reason=reason,
                         **kept)
@@ -195,6 +224,7 @@ def run_one(config: BenchConfig, strategy: str, world_size: int, workdir: Path, 
     if not outcome.ok:
         return BenchRow(strategy=strategy, world_size=world_size, status="failed",
                         reason=outcome.reason, num_processes=world_size + servers, **kept)
+    # A layout row's strategy (and its resolved degrees) come back in the notice.
     return row_from_results(strategy, world_size, outcome.results, precision=precision,
                             epoch_samples=config.epoch_samples,
                             num_processes=world_size + servers,
@@ -213,7 +243,7 @@ def bench(config: BenchConfig | None = None, *, log: Callable[[str], Any] | None
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     accelerator = resolve_accelerator(config.accelerator)
     rows = resolve_rows(config.strategies, precisions=config.precisions, accelerator=accelerator)
-    check_model(config)
+    facts = check_model(config)
     settings = {**asdict(config), "strategies": [r.label for r in rows],
                 "accelerator": accelerator,
                 "title": f"paratrain bench: {config.model}, batch {config.batch_size}/process "
@@ -224,7 +254,7 @@ def bench(config: BenchConfig | None = None, *, log: Callable[[str], Any] | None
         for spec in rows:
             for n in config.world_sizes:
                 row = run_one(config, spec.strategy, n, root, precision=spec.precision,
-                              accelerator=accelerator)
+                              accelerator=accelerator, facts=facts)
                 report.rows.append(row)
                 what = (f"{row.samples_per_s:,.1f} samples/s" if row.ok
                         else f"{row.status}: {row.reason}")

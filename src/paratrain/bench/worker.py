@@ -40,7 +40,8 @@ class JobSpec:
     """What one launched configuration runs."""
 
     strategy: str
-    """Registered strategy name."""
+    """Registered strategy name, or a layout's degrees (``cp=2``, ``dp_shard=2,cp=2``) run
+    as ``Run(parallel=...)``."""
     model: str = DEMO_MODEL
     """``module:callable`` returning an ``nn.Module``."""
     input_shape: tuple[int, ...] = (1, 28, 28)
@@ -146,18 +147,36 @@ def make_loss(output: Any, batch_size: int, generator: Any, *,
             raise ValueError(f"with vocab_size={vocab_size} the model must return logits "
                              f"(batch={batch_size}, ..., {vocab_size}), got {tuple(first.shape)}")
         targets = torch.randint(0, vocab_size, tuple(first.shape[:-1]), generator=generator)
-
-        def token_loss(out: Any) -> Any:
-            logits = out[0] if isinstance(out, (tuple, list)) else out
-            return F.cross_entropy(logits.reshape(-1, vocab_size).float(),
-                                   targets.reshape(-1).to(logits.device))
-
-        return token_loss
+        return TokenLoss(targets, vocab_size)
     if first.dim() == 2 and first.is_floating_point() and first.shape[0] == batch_size:
         labels = torch.randint(0, first.shape[1], (batch_size,), generator=generator)
         return lambda out: F.cross_entropy(out[0] if isinstance(out, (tuple, list)) else out,
                                            labels.to(out.device if hasattr(out, "device") else "cpu"))
     return lambda out: (out[0] if isinstance(out, (tuple, list)) else out).float().pow(2).mean()
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """Cross-entropy of per-token logits ``(batch, ..., vocab_size)`` against ``targets``."""
+
+    targets: Any
+    vocab_size: int
+
+    def __call__(self, out: Any) -> Any:
+        import torch.nn.functional as F
+
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+        return F.cross_entropy(logits.reshape(-1, self.vocab_size).float(),
+                               self.targets.reshape(-1).to(logits.device))
+
+
+def local_tokens(run: Any, batches: list, loss_fn: Callable) -> tuple[list, Callable]:
+    """This rank's part of token batches and targets (context parallel: a slice of each
+    sequence, the same positions for inputs and targets); unchanged without one."""
+    if not isinstance(loss_fn, TokenLoss):
+        return batches, loss_fn
+    parts = [run.strategy.local_batch((x, loss_fn.targets)) for x in batches]
+    return [x for x, _ in parts], TokenLoss(parts[0][1], loss_fn.vocab_size)
 
 
 def _timed_optimizer_step(model: Any, spec: JobSpec, device: Any, repeats: int = 5) -> float:
@@ -290,7 +309,9 @@ def run_job(spec: JobSpec, out_dir: Path) -> dict[str, Any]:
     from paratrain.bench.measure import MemoryWatch, Utilisation, state_bytes
 
     factory = load_factory(spec.model)
-    with paratrain.Run(strategy=spec.strategy, progress=False, seed=spec.seed,
+    # A layout row (``cp=2``) names degrees; the layout picks its strategy.
+    layout = {"parallel": spec.strategy} if "=" in spec.strategy else {"strategy": spec.strategy}
+    with paratrain.Run(**layout, progress=False, seed=spec.seed,
                        precision=spec.precision, accelerator=spec.accelerator) as run:
         _warm_imports(spec)
         memory = MemoryWatch(run.device)
@@ -306,6 +327,7 @@ def run_job(spec: JobSpec, out_dir: Path) -> dict[str, Any]:
         optimizer_step_s = _timed_optimizer_step(model, spec, run.device)
         optimizer = _optimizer(model.parameters(), spec)
         model, optimizer = run.prepare(model, optimizer)  # a server rank leaves here
+        batches, loss_fn = local_tokens(run, batches, loss_fn)
         batches = [b.to(run.device) for b in batches]
         probe = _link_probe(run, spec.link_probe_bytes) if spec.link_probe_bytes else {}
         util = Utilisation(run.device)
