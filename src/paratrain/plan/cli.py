@@ -16,6 +16,7 @@ from typing import Any
 
 from paratrain.config import PRECISIONS
 from paratrain.plan.calibration import calibrate, default_model
+from paratrain.plan.context_experts_report import cli_shape, plan_context_experts
 from paratrain.plan.device import device_memory, device_name, select_device
 from paratrain.plan.layouts import parse_layout, resolve_layout
 from paratrain.plan.links import PRESETS, link_preset, resolve_links
@@ -113,6 +114,14 @@ def _build_parser() -> argparse.ArgumentParser:
                    "others inferred as hybrid infers them; default: its best layout)")
     p.add_argument("--overlap", type=_arg_type(float, lambda v: 0 <= v <= 1, "in [0, 1]"),
                    default=1.0, help="share of backward that hides gradient communication")
+    p.add_argument("--sequence", type=_POS_INT, metavar="N",
+                   help="tokens per sample: also cost context parallel (cp=2, cp=4) and "
+                   "print activations per rank against sequence length")
+    p.add_argument("--width", type=_POS_INT, metavar="D", help="model width for --sequence "
+                   "(default: estimated from the parameter count and --layers)")
+    p.add_argument("--experts", type=_POS_INT, metavar="E", help="experts per MoE layer "
+                   "(with --sequence): also cost expert parallel (ep=2, ep=4)")
+    p.add_argument("--top-k", type=_POS_INT, metavar="K", help="experts per token (default 1)")
     p.add_argument("--repeats", type=_POS_INT, default=3, help="timed calibration passes")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON ('-': stdout only)")
     return p
@@ -220,6 +229,11 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if bad or not strategies:
         raise _UsageError(f"--strategies: unknown {', '.join(bad) or '(empty)'}; "
                           f"choose from {','.join(STRATEGIES)}")
+    for flag in ("width", "experts", "top_k"):
+        if getattr(args, flag) is not None and args.sequence is None:
+            raise _UsageError(f"--{flag.replace('_', '-')}: needs --sequence (tokens per sample)")
+    if args.top_k is not None and args.experts is None:
+        raise _UsageError("--top-k: needs --experts")
     device = _device(args)
     on_gpu = device.type == "cuda"
     try:
@@ -247,8 +261,10 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     calibration = ("not calibrated (--num-parameters)" if args.num_parameters is not None else
                    f"{device_name(device) if on_gpu else 'this CPU'} ({device}), precision "
                    f"{args.precision}")
+    profile = _profile(args, device)
+    cx = None if args.sequence is None else _context_experts(args, profile, hardware)
     try:
-        reports = plan_scaling(_profile(args, device), hardware, args.nodes,
+        reports = plan_scaling(profile, hardware, args.nodes,
                                batch_size_per_device=args.batch_size, strategies=strategies,
                                num_servers=args.num_servers, num_microbatches=args.microbatches,
                                overlap=args.overlap, layout=args.layout)
@@ -258,9 +274,25 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     head = _describe(reports[0], calibration, links, ",".join(map(str, args.nodes)))
     if len(reports) == 1:
         report = reports[0]
-        return report.to_dict(), (f"{head}\n\n{report.format_table()}\n\nrecommendation: "
-                                  f"{report.recommendation}\nreason: {report.reason}")
-    return scaling_dict(reports), f"{head}\n\n{format_scaling(reports)}"
+        data, text = report.to_dict(), (f"{head}\n\n{report.format_table()}\n\nrecommendation:"
+                                        f" {report.recommendation}\nreason: {report.reason}")
+    else:
+        data, text = scaling_dict(reports), f"{head}\n\n{format_scaling(reports)}"
+    if cx is not None:
+        data["context_experts"] = cx.to_dict()
+        text = f"{text}\n\n{cx.format()}"
+    return data, text
+
+
+def _context_experts(args: argparse.Namespace, profile: ModelProfile, hardware: Hardware) -> Any:
+    """cp (and ep with --experts) rows on the first --nodes count."""
+    try:
+        shape = cli_shape(profile, sequence=args.sequence, width=args.width,
+                          experts=args.experts or 0, top_k=args.top_k or 1, layers=args.layers)
+        return plan_context_experts(profile, hardware, shape, batch=args.batch_size)
+    except ValueError as exc:
+        text = str(exc)
+        raise _UsageError(text if text.startswith("--") else f"--sequence: {text}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
