@@ -61,10 +61,10 @@ from plan_validation_tp import (
 from paratrain.bench import jobs as bench_jobs
 from paratrain.bench.report import link_from_probe
 from paratrain.bench.worker import DEMO_MODEL, JobSpec, load_factory
+from paratrain.parallel.options import Pipeline
 from paratrain.plan import Hardware, parse_bandwidth, predict
 from paratrain.strategies import available_strategies
 from paratrain.strategies.pipeline.module import microbatches_for
-from paratrain.parallel.options import Pipeline
 
 PORT = 29500  # every namespace has its own port space
 

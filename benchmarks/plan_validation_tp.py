@@ -105,12 +105,12 @@ def split_ratio(args, tensor_degree: int) -> float:
 
 def _time_split(model_name: str, shape: str, vocab: str, batch: str, degree: str) -> float:
     import torch.distributed as dist
+    from paratrain.strategies.tensor.strategy import apply_tp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from paratrain.bench.worker import load_factory
     from paratrain.strategies.tensor.plan import automatic_plan
-    from paratrain.strategies.tensor.strategy import apply_tp
 
     torch.set_num_threads(1)
     args = argparse.Namespace(model=model_name, input_shape=tuple(map(int, shape.split(","))),

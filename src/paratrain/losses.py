@@ -61,8 +61,8 @@ class GlobalCount:
     """Counts of one accumulation group, turned into a gradient factor at the optimizer step.
 
     After the strategy's gradient synchronisation the gradient is the *mean* over
-    the ``data_parallel_size`` ranks of each rank's summed gradient. Multiplying it
-    by ``data_parallel_size / global_count`` gives the sum over all ranks and
+    the ``loss_size`` ranks (data x context parallel) of each rank's summed gradient.
+    Multiplying it by ``loss_size / global_count`` gives the sum over all ranks and
     micro-steps divided by the global count.
     """
 

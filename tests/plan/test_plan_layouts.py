@@ -224,7 +224,7 @@ def test_layout_is_for_hybrid_only_and_resolves_as_the_runtime():
         predict("fsdp", profile(), hardware(), batch_size_per_device=4, layout={"shard_degree": 8})
     hw = hardware()
     assert resolve_layout({}, hw) == default_layout(hw)
-    assert resolve_layout({"pipeline_degree": 2}, hw).shape == (2, 4, 1, 1)
+    assert resolve_layout({"pipeline_degree": 2}, hw).shape == (2, 4, 1, 1, 1)
 
 
 def test_parse_layout():

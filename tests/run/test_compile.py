@@ -114,7 +114,7 @@ def test_last_grad_norm_stays_on_the_device_until_read():
     run.backward(F.cross_entropy(model(x), y))
     expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
     run.step(optimizer)
-    assert isinstance(run._last_grad_norm, torch.Tensor)
+    assert isinstance(run._step.last_grad_norm, torch.Tensor)
     assert isinstance(run.last_grad_norm, float)
     assert run.last_grad_norm == pytest.approx(float(expected), rel=1e-6)
     run.close()

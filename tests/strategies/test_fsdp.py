@@ -6,8 +6,8 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.spawn import spawn
-from paratrain.strategies.capabilities import ShardedState
 from paratrain.parallel.options import Sharding as FSDPOptions
+from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.fsdp import wrap_predicate
 from paratrain.testing.numerics import (
     REASSOCIATION,

@@ -10,8 +10,8 @@ from torch.utils.data import TensorDataset
 import paratrain
 from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
-from paratrain.strategies.capabilities import ShardedState
 from paratrain.parallel.presets import HybridOptions, preset
+from paratrain.strategies.capabilities import ShardedState
 from paratrain.testing.numerics import TrainingBound, assert_losses_within, assert_params_within
 from paratrain.testing.reference import train_steps
 

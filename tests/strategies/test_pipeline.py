@@ -8,11 +8,11 @@ from torch import nn
 import paratrain
 from paratrain.distributed.partition import balanced_split
 from paratrain.distributed.spawn import spawn
+from paratrain.parallel.options import Pipeline as PipelineOptions
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.pipeline.deferred import Deferred, Node
 from paratrain.strategies.pipeline.layout import stage_layers
 from paratrain.strategies.pipeline.module import microbatches_for
-from paratrain.parallel.options import Pipeline as PipelineOptions
 from paratrain.testing.numerics import (
     REASSOCIATION,
     TrainingBound,

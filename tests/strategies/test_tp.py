@@ -8,6 +8,8 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.distributed.spawn import spawn
+from paratrain.parallel.options import TensorParallel as TPOptions
+from paratrain.parallel.presets import preset
 from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.tensor.plan import automatic_plan, resolve_plan
 from paratrain.strategies.tensor.sequence import (
@@ -16,8 +18,6 @@ from paratrain.strategies.tensor.sequence import (
     find_output_layer,
     sequence_parallel_styles,
 )
-from paratrain.parallel.options import TensorParallel as TPOptions
-from paratrain.parallel.presets import preset
 from paratrain.testing.numerics import (
     REASSOCIATION,
     TrainingBound,

@@ -16,11 +16,11 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.spawn import spawn
-from paratrain.strategies.capabilities import ShardedState
 from paratrain.parallel.options import Sharding as FSDPOptions
-from paratrain.strategies.zero.zero1 import shard_optimizer
 from paratrain.parallel.presets import ZeroTwoOptions as Zero2Options
 from paratrain.parallel.presets import preset
+from paratrain.strategies.capabilities import ShardedState
+from paratrain.strategies.zero.zero1 import shard_optimizer
 from paratrain.testing.numerics import TrainingBound, assert_params_within
 from paratrain.testing.reference import synthetic_classification
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 
-from paratrain.distributed.mesh import AXES, ParallelDegrees
+from paratrain.distributed.mesh import ParallelDegrees
 from paratrain.plan.comm import (
     allgather_bytes,
     allgather_time,
@@ -36,6 +36,10 @@ from paratrain.plan.costs import (
     without_tp_traffic,
 )
 from paratrain.plan.types import Hardware, ModelProfile
+
+AXES = ("pipeline", "replicate", "shard", "tensor")
+"""The axes ``hybrid``'s layouts are costed on (context and expert parallel are costed by
+:mod:`paratrain.plan.context_experts`)."""
 
 __all__ = ["LAYOUT_KEYS", "candidate_layouts", "default_layout", "group_hardware",
            "layout_cost", "layout_dict", "parse_layout", "resolve_layout"]

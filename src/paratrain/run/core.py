@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import time
@@ -33,9 +32,9 @@ from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler, check_map_style
 from paratrain.distributed import _compat
 from paratrain.distributed.process_group import destroy_process_group
-from paratrain.losses import GlobalCount
 from paratrain.reliability import signals
 from paratrain.run import collective_calls, misuse
+from paratrain.run.accumulation import StepState
 from paratrain.run.build import build_parts
 from paratrain.run.hooks import AfterStep, FaultHook, HealthHook, PeriodicSave, StopOnSignal
 from paratrain.run.metrics import Metrics
@@ -120,13 +119,9 @@ class Run(TrainStep, Metrics, Pretrained):
         self._init_step_checks()
         self.epoch_stats: list[dict[str, float]] = []
         self._router_load: RouterLoad | None = None  # tokens per expert, for the epoch row
-        self._micro_step = 0
-        self._backward_in_group = False
-        self._counts = GlobalCount()
-        self._last_grad_norm: torch.Tensor | None = None  # see TrainStep.last_grad_norm
+        self._step = StepState(self.config.accumulate)  # the micro-steps' shared state
         self._compile: CompileOptions | None = None
         self._compile_clock = CompileClock(enabled=False)
-        self._sync_context: contextlib.ExitStack | None = None
         self._train_loader: DistributedLoader | None = None
         self._epoch_start = (0, time.perf_counter())
         self._samples = SampleCounter()  # of user loaders iterated through progress()
@@ -337,7 +332,7 @@ class Run(TrainStep, Metrics, Pretrained):
         the file is written in the background (complete before the next save and at
         :meth:`close`); ``wait=True`` returns only once it is written on every rank.
         """
-        if self._micro_step:
+        if self._step.micro_step:
             raise ValueError(
                 "save() was called in the middle of a gradient-accumulation group; "
                 "call it after a run.step() that stepped the optimizer"

@@ -33,7 +33,7 @@ class TrainStep:
         Kept on the device by the step and read only here, so that a step does not wait
         for the device; reading it waits for that step's gradients.
         """
-        norm = self._last_grad_norm
+        norm = self._step.last_grad_norm
         return None if norm is None else float(norm)
 
     def _init_step_checks(self) -> None:
@@ -84,8 +84,7 @@ class TrainStep:
         and the update is divided by the count summed over all ranks and micro-steps
         (see :mod:`paratrain.losses`).
         """
-        self._counts.add(count)
-        self._backward_in_group = True
+        self._step.saw_backward(count)
         # The update must be the mean over all micro-batches of the group, so each
         # micro-batch's loss counts 1/accumulate.
         if self.config.accumulate > 1 and count is None:
@@ -108,9 +107,7 @@ class TrainStep:
             loader = self._train_loader
             self._epoch_start = (loader.position if loader is not None else 0,
                                  self._compile_clock.stopped_at)
-        if self._sync_context is not None:
-            self._sync_context.close()
-            self._sync_context = None
+        self._step.close_no_sync()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """End a micro-step; on the last one of an accumulation group, update the weights.
@@ -120,11 +117,9 @@ class TrainStep:
         ``run.precision.skipped_steps``). Gradients are zeroed after it.
         """
         self._count_flops_done()  # in case backward bypassed run.backward
-        boundary = self._at_boundary()
-        self._micro_step += 1
-        if not boundary:
+        if not self._step.advance(self._train_loader):
             return False
-        misuse.check_step_has_gradients(backward_called=self._backward_in_group,
+        misuse.check_step_has_gradients(backward_called=self._step.backward_seen,
                                         models=self.state.models, optimizer=optimizer)
         self._optimizers.check_step(optimizer, self.state.models)
         self._scheduler_steps.check(self.state.schedulers, self.state.global_step)
@@ -140,17 +135,17 @@ class TrainStep:
         self._peer_lost = True
 
     def _optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        group_size = self._micro_step
+        state = self._step
+        group_size = state.micro_step
         correction = 1.0
-        if self._counts.active:
+        if state.counts.active:
             # Summed losses: divide by the global count of the group (all ranks).
-            correction = self._counts.gradient_factor(self.strategy)
+            correction = state.counts.gradient_factor(self.strategy)
         elif group_size < self.config.accumulate:
             # Documented rule for a partial group at the end of an epoch: it is
             # stepped as a smaller batch, i.e. the mean over the micro-batches it has.
             correction = self.config.accumulate / group_size
-        self._counts.reset()
-        self._backward_in_group = False
+        state.group_done()
         if correction != 1.0:
             for model in self.state.models:
                 for p in model.parameters():
@@ -162,8 +157,8 @@ class TrainStep:
             norms = [self.strategy.clip_grad_norm(m, self.config.max_grad_norm)
                      for m in self.state.models]
             # A tensor: converting it here would wait for the device every step.
-            self._last_grad_norm = torch.stack([n.float() for n in norms]).norm()
-            self._finite.saw_grad_norm(self._last_grad_norm)
+            state.last_grad_norm = torch.stack([n.float() for n in norms]).norm()
+            self._finite.saw_grad_norm(state.last_grad_norm)
         step = self.state.global_step + 1
         # nan="skip": a non-finite step is not applied (grads zeroed, schedulers held).
         skip = self._finite.before_update(step, self._train_loader)
@@ -175,7 +170,6 @@ class TrainStep:
             for scheduler in self.state.schedulers:
                 scheduler.step()
             self._scheduler_steps.stepped(self.state.schedulers, step)
-        self._micro_step = 0
         self.state.global_step += 1
         loader = self._train_loader
         cursor = loader.cursor if loader is not None else DataCursor(epoch=self.state.epoch,
@@ -183,21 +177,11 @@ class TrainStep:
         for hook in self._after_step:
             hook(self.state.global_step, cursor)
 
-    def _at_boundary(self) -> bool:
-        if (self._micro_step + 1) % self.config.accumulate == 0:
-            return True
-        # The last batch of the epoch closes the group even if it is not full.
-        loader = self._train_loader
-        return loader is not None and loader.batches_in_epoch >= len(loader)
-
     def _finish_accumulation(self) -> None:
-        if self._micro_step:
+        if self._step.abandon():
             # The loop left the epoch mid-group (e.g. a break): drop the partial gradients.
             for optimizer in self.state.optimizers:
                 optimizer.zero_grad(set_to_none=True)
-            self._micro_step = 0
-        self._backward_in_group = False
-        self._counts.reset()
         self._finite.settle()  # the epoch's last step: stop or warn before the epoch ends
 
     def _count_flops_done(self) -> None:
@@ -216,12 +200,12 @@ class TrainStep:
                 if self._compile is not None and self._compile.cuda_graphs:
                     # A new micro-step: the previous replay's outputs may be reused.
                     torch.compiler.cudagraph_mark_step_begin()
-            if (torch.is_grad_enabled() and model.training and self._sync_context is None
-                    and not self._at_boundary()):
+            step = self._step
+            if (torch.is_grad_enabled() and model.training and not step.no_sync_open
+                    and not step.at_boundary(self._train_loader)):
                 # Not the last micro-step: forward and backward run inside no_sync so
                 # gradients accumulate locally; the context closes after backward.
-                self._sync_context = contextlib.ExitStack()
-                self._sync_context.enter_context(self.strategy.no_sync(model))
+                step.open_no_sync(self.strategy.no_sync(model))
             # DDP's forward may communicate (buffers)
             with self._guard_peers(), self._hang.phase("forward"):
                 return self.precision.forward(original, *args, **kwargs)

@@ -21,6 +21,7 @@ sequence, up to the order of float sums.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,8 +33,10 @@ from paratrain.strategies.context.sequence import SequenceOrder
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _shift(tensor: torch.Tensor, group: Any, step: int) -> torch.Tensor:
-    """Send ``tensor`` ``step`` ranks ahead on the ring, receive from ``step`` behind."""
+def _start_shift(tensor: torch.Tensor, group: Any, step: int) -> Callable[[], torch.Tensor]:
+    """Start sending ``tensor`` ``step`` ranks ahead on the ring and receiving from ``step``
+    behind; the returned function waits and gives what arrived. Started before a block's
+    compute and waited for after it, the transfer overlaps the compute."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     tensor = tensor.contiguous()
     received = torch.empty_like(tensor)
@@ -41,9 +44,19 @@ def _shift(tensor: torch.Tensor, group: Any, step: int) -> torch.Tensor:
                       group),
            dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - step) % size),
                       group)]
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
-    return received
+    requests = dist.batch_isend_irecv(ops)
+
+    def wait() -> torch.Tensor:
+        for request in requests:
+            request.wait()
+        return received
+
+    return wait
+
+
+def _shift(tensor: torch.Tensor, group: Any, step: int) -> torch.Tensor:
+    """Send ``tensor`` ``step`` ranks ahead on the ring, receive from ``step`` behind."""
+    return _start_shift(tensor, group, step)()
 
 
 def _split(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -94,9 +107,12 @@ class _RingAttention(torch.autograd.Function):
         outs = [torch.zeros_like(q) for q in q_chunks]
         lses = [q.new_full((*q.shape[:-1], 1), float("-inf")) for q in q_chunks]
         kv = torch.stack((key, value))
+        arriving = None
         for step in range(order.cp):
-            if step:
-                kv = _shift(kv, group, 1)
+            if arriving is not None:
+                kv = arriving()
+            # The next block's K/V travel while this one is computed.
+            arriving = _start_shift(kv, group, 1) if step + 1 < order.cp else None
             k_ranges = order.chunk_ranges((rank - step) % order.cp)
             for i, (q_range, q) in enumerate(zip(q_ranges, q_chunks)):
                 for k_range, k, v in zip(k_ranges, _split(kv[0], k_ranges),
@@ -132,9 +148,12 @@ class _RingAttention(torch.autograd.Function):
         d_queries = [torch.zeros_like(q) for q in q_chunks]
         kv = torch.stack((key, value))
         d_kv = torch.zeros_like(kv)
+        arriving = None
         for step in range(order.cp):
             if step:
-                kv, d_kv = _shift(kv, group, 1), _shift(d_kv, group, 1)
+                # K/V were sent ahead during the last block; their gradients only now.
+                kv, d_kv = arriving(), _shift(d_kv, group, 1)
+            arriving = _start_shift(kv, group, 1) if step + 1 < order.cp else None
             k_ranges = order.chunk_ranges((rank - step) % order.cp)
             blocks = zip(k_ranges, _split(kv[0], k_ranges), _split(kv[1], k_ranges),
                          _split(d_kv[0], k_ranges), _split(d_kv[1], k_ranges))

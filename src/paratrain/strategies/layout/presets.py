@@ -25,8 +25,14 @@ def build_layout(topology: Topology, layout: Parallel, *, name: str,
     degrees = layout.resolve(world_size=topology.world_size,
                              local_world_size=topology.local_world_size)
     strategy = LayoutStrategy(topology, layout, degrees, name=name, timeout_s=timeout_s)
-    strategy.layout_line = f"strategy {name!r}: {describe(degrees)}"
+    if name in _NAMES_MORE or degrees.context_degree > 1 or degrees.expert_degree > 1:
+        # The name alone does not say the degrees: print them at start.
+        strategy.layout_line = f"strategy {name!r}: {describe(degrees)}"
     return strategy
+
+
+_NAMES_MORE = ("hybrid", "fsdp_tp")
+"""Presets whose name stands for several layouts."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -160,7 +160,10 @@ class LayoutStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluati
         offload = bool(self.layout.sharding and self.layout.sharding.offload) and self.active
         # With offload, fully_shard moves each unit to the device only to shard it; a
         # model on the meta device is sharded there and only the shards get memory.
-        meta = on_meta(model) and self.pipeline is None
+        meta = on_meta(model)
+        if meta and self.pipeline is not None:
+            raise ValueError(f"strategy {self.name!r} splits a model built on the CPU only; "
+                             "build it without the meta device (or use fsdp)")
         if not offload and not meta:
             model = model.to(self.topology.device)
         names = parameter_names(model)
