@@ -81,7 +81,10 @@ def train(spec, experts=0):
     strategy = run.strategy
     loader = run.loader(tokens(), batch_size=GLOBAL_BATCH // strategy.data_parallel_size)
     losses = train_steps(run, model, optimizer, loader, STEPS)
+    experts_here = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                       for name, p in model.named_parameters() if ".experts." in name)
     result = {"strategy": strategy.name, "meshes": layout_meshes(model), "losses": losses,
+              "expert_numel": experts_here,
               "evaluation": evaluate_tokens(run, model, tokens(13)),
               "params": whole_state(run, model), "bound": bound,
               "data_parallel": (strategy.data_parallel_size, strategy.data_parallel_rank)}
@@ -118,6 +121,12 @@ def test_degree_grid_matches_one_process(references, world_size, layouts):
             assert result["params"].keys() == reference["params"].keys(), spec
             assert_params_within(result["params"], reference["params"], reference["bound"])
             replicas.add(result["data_parallel"])
+            if "ep=" in spec:
+                # Each rank holds 1/ep of the experts, FSDP-sharded over the ranks holding
+                # the same ones: 1/(dp_shard x cp) of the expert weights in all.
+                degrees = paratrain.Parallel.parse(spec).resolve(world_size=world_size)
+                share = degrees.shard_degree * degrees.context_degree
+                assert result["expert_numel"] * share == reference["expert_numel"], spec
         # Every data-parallel rank is read by someone: the ranks cover the whole batch.
         sizes = {size for size, _ in replicas}
         assert len(sizes) == 1 and {r for _, r in replicas} == set(range(sizes.pop())), spec

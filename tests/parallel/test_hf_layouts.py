@@ -1,5 +1,6 @@
 """Hugging Face models through ``Run(parallel=...)`` with the large-model degrees, against
-one process: a Llama with ``labels=`` under cp (the loader cuts ``input_ids`` and the
+one process: a Llama, a Mistral (its sliding window longer than the sequence) and a
+Qwen2 with ``labels=`` under cp (the loader cuts ``input_ids`` and the
 labels, shifted first, along the sequence; -100 labels stay exact) and a Mixtral under
 ep (its stacked experts split over the data ranks), within float32's and AdamW's bound.
 """
@@ -43,8 +44,11 @@ def build(family: str):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   attn_implementation="sdpa", use_cache=False)
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if family in ("llama", "mistral", "qwen2"):
+        config, model = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                         "mistral": ("MistralConfig", "MistralForCausalLM"),
+                         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[family]
+        return getattr(transformers, model)(getattr(transformers, config)(**common))
     config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     return transformers.MixtralForCausalLM(config)
 
@@ -74,7 +78,8 @@ def worker(rank, world_size, family, spec):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, spec", [("llama", "cp=2"), ("mixtral", "ep=2")])
+@pytest.mark.parametrize("family, spec", [("llama", "cp=2"), ("mistral", "cp=2"),
+                                          ("qwen2", "cp=2"), ("mixtral", "ep=2")])
 def test_hugging_face_model_under_cp_or_ep_matches_one_process(family, spec):
     reference = train(family, None)
     for result in spawn(worker, 2, family, spec, timeout=300):

@@ -191,3 +191,24 @@ def test_two_ranks_sum_their_counts():
         assert metrics == pytest.approx(expected_metrics(hand)), rank
     summed = [a + b for a, b in zip(results[0][0], results[1][0])]
     assert [c.tolist() for c in summed] == [c.tolist() for c in hand]
+
+
+def test_a_runs_epoch_row_carries_the_router_load():
+    import paratrain
+    from paratrain.testing.language import token_dataset
+
+    with paratrain.Run(strategy="single", progress=False, accelerator="cpu") as run:
+        model = gpt()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = run.prepare(model, optimizer)
+        loader = run.loader(token_dataset(8, VOCAB, LENGTH), batch_size=4)
+        for _ in run.epochs(1):
+            for x, y in loader:
+                logits = model(x)
+                run.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()))
+                run.step(optimizer)
+        row = run.epoch_stats[0]
+    # 8 sequences x block tokens x top_k copies per layer, shared by the 4 experts.
+    assert row["router_max_over_mean_load"] >= 1.0
+    assert row["router_tokens_per_expert_min"] <= row["router_tokens_per_expert_max"]
+    assert row["router_tokens_per_expert_max"] <= 8 * LENGTH * TOP_K
