@@ -37,22 +37,21 @@ SHARD, TENSOR, HSDP = ("shard",), ("tensor",), ("replicate", "shard")
 #: tensor parallel is a group of its own: test_portable_numerics reruns it under other
 #: CPU kernels (it once failed on an AMD CPU with a tolerance tuned to an Intel one).
 GRID = {
+    # cp: each sequence of 8 tokens cut over cp ranks (head-tail order), FSDP over
+    # dp_shard x cp, losses averaged over data x cp. ep: the MoE GPT (dropless), its
+    # experts split over ep of the data ranks.
     (2, "2"): [("dp_replicate=2", "ddp", set()), ("dp_shard=2", "fsdp", {SHARD}),
-        ("tp=2", "tp", None), ("pp=2", "pipeline", set())],
+        ("tp=2", "tp", None), ("pp=2", "pipeline", set()), ("cp=2", "fsdp", None),
+        ("ep=2", "fsdp", None)],
     (4, "4"): [("dp_replicate=2,dp_shard=2", "hybrid", {HSDP}),
         ("dp_shard=2,tp=2", "fsdp_tp", {("shard", "tensor"), SHARD}),
         ("pp=2,dp_replicate=2", "hybrid", {HSDP}), ("pp=2,dp_shard=2", "hybrid", {SHARD}),
         ("dp_replicate=2,tp=2", "fsdp_tp", None)],
     (4, "4-pp_x_tp"): [("pp=2,tp=2", "hybrid", {TENSOR})],
-    # Context parallel: each sequence of 8 tokens cut over cp ranks (head-tail order),
-    # FSDP over dp_shard x cp, losses averaged over data x cp.
-    (2, "2-cp"): [("cp=2", "fsdp", None)],
-    (4, "4-cp"): [("cp=4", "fsdp", None), ("dp_shard=2,cp=2", "fsdp", None),
-                  ("cp=2,tp=2", "fsdp_tp", None)],
-    # Expert parallel (the MoE GPT, dropless): experts split over ep of the data ranks.
-    (2, "2-ep"): [("ep=2", "fsdp", None)],
-    (4, "4-ep"): [("ep=4", "fsdp", None), ("dp_shard=4,ep=2", "fsdp", None),
-                  ("dp_replicate=2,dp_shard=2,ep=2", "hybrid", None)],
+    (4, "4-cp_ep"): [("cp=4", "fsdp", None), ("dp_shard=2,cp=2", "fsdp", None),
+                     ("cp=2,tp=2", "fsdp_tp", None), ("ep=4", "fsdp", None),
+                     ("dp_shard=4,ep=2", "fsdp", None),
+                     ("dp_replicate=2,dp_shard=2,ep=2", "hybrid", None)],
     (8, "8"): [("dp_replicate=2,dp_shard=2,tp=2", "fsdp_tp",
          {("replicate", "shard", "tensor"), HSDP}),
         ("pp=2,dp_shard=2,tp=2", "hybrid", {("shard", "tensor"), SHARD}),
@@ -92,8 +91,13 @@ def train(spec, experts=0):
     return result
 
 
-def grid_worker(rank, world_size, layouts, experts=0):
-    return {spec: train(spec, experts) for spec, _, _ in layouts}
+def experts_of(spec):
+    """The MoE GPT (4 experts) for a layout with ep, the dense one otherwise."""
+    return 4 if spec is not None and "ep=" in spec else 0
+
+
+def grid_worker(rank, world_size, layouts):
+    return {spec: train(spec, experts_of(spec)) for spec, _, _ in layouts}
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +109,9 @@ def references():
 @pytest.mark.parametrize("world_size, layouts", [(n, GRID[n, name]) for n, name in GRID],
                          ids=[name for _, name in GRID])
 def test_degree_grid_matches_one_process(references, world_size, layouts):
-    experts = 4 if any("ep=" in spec for spec, _, _ in layouts) else 0
-    reference = references[experts]
-    results = spawn(grid_worker, world_size, layouts, experts, timeout=600)
+    results = spawn(grid_worker, world_size, layouts, timeout=600)
     for spec, strategy, axes in layouts:
+        reference = references[experts_of(spec)]
         replicas = set()
         for rank_results in results:
             result = rank_results[spec]

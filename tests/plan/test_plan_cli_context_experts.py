@@ -15,7 +15,7 @@ from paratrain.plan.context_experts import (
     expert_memory,
     expert_step,
 )
-from paratrain.plan.context_experts_report import cli_shape
+from paratrain.plan.large_model_rows import cli_shape
 from paratrain.plan.types import Hardware, ModelProfile
 
 BASE = ["--num-parameters", "1000000000", "--layers", "24", "--time-per-sample", "30ms",
