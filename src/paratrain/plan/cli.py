@@ -16,8 +16,8 @@ from typing import Any
 
 from paratrain.config import PRECISIONS
 from paratrain.plan.calibration import calibrate, default_model
-from paratrain.plan.large_model_rows import cli_shape, plan_context_experts
 from paratrain.plan.device import device_memory, device_name, select_device
+from paratrain.plan.large_model_rows import cli_shape, plan_context_experts
 from paratrain.plan.layouts import parse_layout, resolve_layout
 from paratrain.plan.links import PRESETS, link_preset, resolve_links
 from paratrain.plan.model import STRATEGIES
