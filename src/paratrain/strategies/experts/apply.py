@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.strategies.experts.dispatch import split_expert_weight
 from paratrain.strategies.experts.moe import MoE
 
 
@@ -25,10 +26,13 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [module for module in model.modules() if isinstance(module, MoE)]
 
 
-def apply_expert_parallel(model: nn.Module, group: Any, *, balance_group: Any = None) -> int:
+def apply_expert_parallel(model: nn.Module, group: Any, *, balance_group: Any = None,
+                          mesh: Any = None) -> int:
     """Keep this rank's experts of every MoE layer; returns the number of layers split.
 
-    ValueError in one line when the expert count is not divisible by the group's size.
+    ``mesh``: the 1-D expert mesh over ``group``; the expert weights then become DTensors
+    ``Shard(0)`` on it (whole-named in checkpoints). ValueError in one line when the
+    expert count is not divisible by the group's size.
     """
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     layers = moe_layers(model)
@@ -37,11 +41,9 @@ def apply_expert_parallel(model: nn.Module, group: Any, *, balance_group: Any = 
             raise ValueError(f"expert parallel ep={ep} splits each MoE layer's "
                              f"{layer.num_experts} experts evenly; choose an ep dividing "
                              f"{layer.num_experts}")
-        local = layer.num_experts // ep
         for name in ("w_in", "w_out"):
-            whole = getattr(layer.experts, name)
-            piece = whole.detach()[rank * local:(rank + 1) * local].clone()
-            setattr(layer.experts, name, nn.Parameter(piece, requires_grad=whole.requires_grad))
+            setattr(layer.experts, name,
+                    split_expert_weight(getattr(layer.experts, name), rank, ep, mesh))
         layer.experts.group = group
         layer.balance_group = balance_group if balance_group is not None else group
     return len(layers)

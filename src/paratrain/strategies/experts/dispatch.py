@@ -64,6 +64,30 @@ def scale_gradient(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor if factor == 1.0 else _ScaleGradient.apply(tensor, factor)
 
 
+def split_expert_weight(whole: torch.Tensor, rank: int, ep: int, mesh: Any = None) -> Any:
+    """Rank ``rank``'s experts of a stacked ``(E, ...)`` weight, as a new parameter.
+
+    With ``mesh`` (the 1-D expert mesh) it is a DTensor ``Shard(0)`` of the whole weight,
+    so checkpoints and whole-state gathers see the layer's ``E`` experts under one name,
+    and FSDP shards it further over the ranks holding the same experts; without, a plain
+    tensor (the group alone).
+    """
+    local = whole.shape[0] // ep
+    piece = whole.detach()[rank * local:(rank + 1) * local].clone()
+    if mesh is not None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        piece = DTensor.from_local(piece, mesh, [Shard(0)], run_check=False)
+    return torch.nn.Parameter(piece, requires_grad=whole.requires_grad)
+
+
+def local_weight(weight: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    """This rank's experts of ``weight`` as a plain tensor (a DTensor's local piece), its
+    gradient scaled by ``grad_scale`` (see :func:`scale_gradient`)."""
+    local = weight.to_local() if hasattr(weight, "to_local") else weight
+    return scale_gradient(local, grad_scale)
+
+
 def _by_expert(counts: torch.Tensor) -> torch.Tensor:
     """Index that reorders rows laid out source-major (``counts[source, expert]`` rows
     each) into expert-major order (each expert's rows from source 0, 1, ...)."""

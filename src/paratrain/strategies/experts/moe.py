@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.strategies.experts.dispatch import run_experts, scale_gradient
+from paratrain.strategies.experts.dispatch import local_weight, run_experts
 
 
 class StackedExperts(nn.Module):
@@ -56,8 +56,8 @@ class StackedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """``rows`` sorted by ``expert_ids``, through their experts (in that order)."""
-        w_in = scale_gradient(self.w_in, self.grad_scale)
-        w_out = scale_gradient(self.w_out, self.grad_scale)
+        w_in = local_weight(self.w_in, self.grad_scale)
+        w_out = local_weight(self.w_out, self.grad_scale)
 
         def expert(index: int, chunk: torch.Tensor) -> torch.Tensor:
             return F.gelu(chunk @ w_in[index]) @ w_out[index]

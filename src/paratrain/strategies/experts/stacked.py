@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.strategies.experts.dispatch import run_experts, scale_gradient
+from paratrain.strategies.experts.dispatch import local_weight, run_experts, split_expert_weight
 
 _DEFAULT_LAYOUT = {"is_transposed": False, "is_concatenated": True, "has_bias": False,
                    "has_gate": True, "has_post_expert_norm": False}
@@ -55,15 +55,13 @@ class DispatchedExperts(nn.Module):
             ``j * E/ep ... (j + 1) * E/ep - 1``.
     """
 
-    def __init__(self, experts: nn.Module, group: Any) -> None:
+    def __init__(self, experts: nn.Module, group: Any, mesh: Any = None) -> None:
         super().__init__()
         ep, rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = experts.num_experts
-        local = self.num_experts // ep
         for name in ("gate_up_proj", "down_proj"):
-            whole = getattr(experts, name)
-            piece = whole.detach()[rank * local:(rank + 1) * local].clone()
-            self.register_parameter(name, nn.Parameter(piece, requires_grad=whole.requires_grad))
+            self.register_parameter(name, split_expert_weight(getattr(experts, name), rank, ep,
+                                                              mesh))
         self.act_fn = experts.act_fn
         self.group = group
         self.grad_scale = 1.0
@@ -71,8 +69,8 @@ class DispatchedExperts(nn.Module):
         self.tokens_per_expert: torch.Tensor | None = None
 
     def _experts(self) -> Any:
-        gate_up = scale_gradient(self.gate_up_proj, self.grad_scale)
-        down = scale_gradient(self.down_proj, self.grad_scale)
+        gate_up = local_weight(self.gate_up_proj, self.grad_scale)
+        down = local_weight(self.down_proj, self.grad_scale)
 
         def expert(index: int, rows: torch.Tensor) -> torch.Tensor:
             gate, up = F.linear(rows, gate_up[index]).chunk(2, dim=-1)
@@ -95,9 +93,10 @@ class DispatchedExperts(nn.Module):
                                                          weighted.to(hidden_states.dtype))
 
 
-def dispatch_stacked_experts(model: nn.Module, group: Any) -> int:
+def dispatch_stacked_experts(model: nn.Module, group: Any, *, mesh: Any = None) -> int:
     """Replace every stacked-experts module of ``model`` by its :class:`DispatchedExperts`;
-    the number replaced. One-line ValueError for an expert count ep does not divide."""
+    the number replaced. One-line ValueError for an expert count ep does not divide.
+    ``mesh``: the 1-D expert mesh over ``group`` (weights become DTensors on it)."""
     ep = dist.get_world_size(group)
     found = [(name, module) for name, module in model.named_modules()
              if is_stacked_experts(module)]
@@ -108,5 +107,5 @@ def dispatch_stacked_experts(model: nn.Module, group: Any) -> int:
                              f"experts evenly; choose an ep dividing {module.num_experts}")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, DispatchedExperts(module, group))
+        setattr(parent, child, DispatchedExperts(module, group, mesh))
     return len(found)

@@ -113,10 +113,10 @@ def apply_experts(module: nn.Module, mesh: ParallelMesh) -> int:
     from paratrain.strategies.experts.apply import apply_expert_parallel
     from paratrain.strategies.experts.stacked import dispatch_stacked_experts
 
-    group = mesh.expert_mesh.get_group("expert")
-    balance = mesh.loss_group
-    layers = apply_expert_parallel(module, group, balance_group=balance)
-    layers += dispatch_stacked_experts(module, group)
+    experts = mesh.expert_mesh["expert"]
+    group = experts.get_group()
+    layers = apply_expert_parallel(module, group, balance_group=mesh.loss_group, mesh=experts)
+    layers += dispatch_stacked_experts(module, group, mesh=experts)
     if not layers:
         raise ValueError(f"ep={mesh.degrees.expert_degree} but the model has no "
                          "mixture-of-experts layer paratrain can split (paratrain.models MoE, "

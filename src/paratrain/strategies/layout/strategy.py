@@ -39,6 +39,7 @@ from paratrain.strategies.capabilities import (
     ShardedState,
     ShardsOnMeta,
 )
+from paratrain.strategies.clipping import clip_grad_norm
 from paratrain.strategies.dtensor_params import (
     DTensorParameters,
     gradient_sync_disabled,
@@ -46,8 +47,6 @@ from paratrain.strategies.dtensor_params import (
     whole_model_state,
 )
 from paratrain.strategies.layout.apply import Applied, parallelize
-from paratrain.strategies.layout.experts import SHARDED_REFUSAL, whole_experts_state
-from paratrain.strategies.layout.norms import layout_grad_norm
 from paratrain.strategies.pipeline.module import PipelineModule
 from paratrain.strategies.pipeline.stages import PipelineStages, check_stage_options
 from paratrain.strategies.tensor.apply import complete_gradients
@@ -301,7 +300,9 @@ class LayoutStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluati
             complete_gradients(model.parameters())
         if self.pipeline is not None and self.active:
             return self.pipeline.clip_grad_norm(model, max_norm)
-        return layout_grad_norm(model, max_norm, self.mesh, experts=self.applied.expert_layers)
+        # Split experts are DTensors over expert_shard x expert: their squares are summed
+        # over both, like every other sharded gradient.
+        return clip_grad_norm(model.parameters(), max_norm)
 
     # -- whole state ----------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -309,31 +310,10 @@ class LayoutStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluati
         if not self.active:
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
         local = whole_model_state(module)  # collective over the stage's mesh
-        if self.applied.expert_layers:
-            local = whole_experts_state(local, module, self.mesh.expert_mesh.get_group("expert"))
         if self.pipeline is None:
             return local
         return self.pipeline.gather_stages(local)
 
-    def save_sharded_state(self, directory: str, models: list[nn.Module],
-                           optimizers: list[torch.optim.Optimizer]) -> None:
-        self._refuse_split_experts()
-        super().save_sharded_state(directory, models, optimizers)
-
-    def start_sharded_save(self, directory: str, models: list[nn.Module],
-                           optimizers: list[torch.optim.Optimizer], *, group: Any) -> Any:
-        self._refuse_split_experts()
-        return super().start_sharded_save(directory, models, optimizers, group=group)
-
-    def load_sharded_state(self, directory: str, models: list[nn.Module],
-                           optimizers: list[torch.optim.Optimizer], *,
-                           flat_optimizer: bool = True) -> None:
-        self._refuse_split_experts()
-        super().load_sharded_state(directory, models, optimizers, flat_optimizer=flat_optimizer)
-
-    def _refuse_split_experts(self) -> None:
-        if self.applied.expert_layers:
-            raise ValueError(SHARDED_REFUSAL)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
         from paratrain.checkpoint.sharded import load_full_model_state
