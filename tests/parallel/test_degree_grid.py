@@ -51,7 +51,8 @@ GRID = {
     (4, "4-cp_ep"): [("cp=4", "fsdp", None), ("dp_shard=2,cp=2", "fsdp", None),
                      ("cp=2,tp=2", "fsdp_tp", None), ("ep=4", "fsdp", None),
                      ("dp_shard=4,ep=2", "fsdp", None),
-                     ("dp_replicate=2,dp_shard=2,ep=2", "hybrid", None)],
+                     ("dp_replicate=2,dp_shard=2,ep=2", "hybrid", None),
+                     ("dp_shard=2,tp=2,ep=2", "fsdp_tp", None)],
     (8, "8"): [("dp_replicate=2,dp_shard=2,tp=2", "fsdp_tp",
          {("replicate", "shard", "tensor"), HSDP}),
         ("pp=2,dp_shard=2,tp=2", "hybrid", {("shard", "tensor"), SHARD}),
@@ -133,3 +134,34 @@ def test_degree_grid_matches_one_process(references, world_size, layouts):
         # Every data-parallel rank is read by someone: the ranks cover the whole batch.
         sizes = {size for size, _ in replicas}
         assert len(sizes) == 1 and {r for _, r in replicas} == set(range(sizes.pop())), spec
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("pp=2,cp=2", r"a pipeline with cp or ep is not supported yet; drop pp, or cp/ep"),
+    ("pp=2,dp_shard=2,ep=2", r"a pipeline with cp or ep is not supported yet"),
+])
+def test_what_a_layout_cannot_run_yet_is_one_line(spec, message):
+    from paratrain.distributed.topology import Topology
+    from paratrain.strategies.layout.presets import build_layout
+
+    topology = Topology(rank=0, world_size=4, local_world_size=4, local_rank=0)
+    with pytest.raises(ValueError, match=message) as info:
+        build_layout(topology, paratrain.Parallel.parse(spec), name="hybrid")
+    assert "\n" not in str(info.value)
+
+
+def dense_under_ep_worker(rank, world_size):
+    with paratrain.Run(parallel="ep=2", progress=False, accelerator="cpu") as run:
+        try:
+            run.prepare(GPT(vocab_size=VOCAB, block_size=BLOCK, n_layer=1, n_head=2, n_embd=8))
+        except ValueError as exc:
+            return str(exc)
+    return "prepared"
+
+
+@pytest.mark.slow
+def test_ep_with_a_model_without_experts_is_one_line():
+    assert spawn(dense_under_ep_worker, 2, timeout=120) == [
+        "ep=2 but the model has no mixture-of-experts layer paratrain can split "
+        "(paratrain.models MoE, or the stacked experts of Mixtral, Qwen2-MoE, Qwen3-MoE, "
+        "OLMoE); drop ep"] * 2
