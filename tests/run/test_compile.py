@@ -166,3 +166,13 @@ def test_compiled_fsdp_matches_eager_per_block():
         assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
         assert graphs == 3  # each Linear is an FSDP unit, compiled on its own
         assert not any("_orig_mod" in k for k in keys)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compiled_tensor_parallel_matches_eager():
+    # tp had no compile before the layout runtime; the one order compiles the split model.
+    plan = {"plan": {"0": "colwise", "2": "rowwise"}}
+    for (eager, _, _, _), (compiled, _, _, graphs) in spawn_pair("tp", strategy_options=plan):
+        assert compiled == pytest.approx(eager, rel=LOSS_TOLERANCE)
+        assert graphs >= 1

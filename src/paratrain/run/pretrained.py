@@ -31,7 +31,8 @@ def setup_model(strategy: Strategy, model: nn.Module,
     stages are cut from a real model only. ``optimizer`` then holds the new parameters.
     """
     # One process has nothing to shard: the strategy runs the whole model.
-    shards = isinstance(strategy, ShardsOnMeta) and strategy.topology.world_size > 1
+    shards = (isinstance(strategy, ShardsOnMeta) and strategy.shards_on_meta()
+              and strategy.topology.world_size > 1)
     if on_meta(model) and not shards:
         if isinstance(strategy, ShardedState) and strategy.partial_model:
             raise ValueError(f"strategy {strategy.name!r} splits a model built on the CPU "

@@ -158,6 +158,10 @@ class ShardsOnMeta(ABC):  # noqa: B024
     and gives memory to this rank's shards only (``fsdp``, ``hybrid``); other strategies
     receive such a model materialised whole (see :mod:`paratrain.checkpoint.meta_init`)."""
 
+    def shards_on_meta(self) -> bool:
+        """Whether this layout shards on meta (one that cuts real weights does not)."""
+        return True
+
 
 class OrdersParallelisms(ABC):
     """The strategy applies activation checkpointing itself, at its place in the one

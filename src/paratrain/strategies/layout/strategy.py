@@ -141,6 +141,11 @@ class LayoutStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluati
         self._mp_policy = mixed_precision_policy(precision,
                                                  refuse_fp16="with sharded or split layers")
 
+    def shards_on_meta(self) -> bool:
+        # Tensor, expert and pipeline parallel cut real weights: only FSDP shards on meta.
+        d = self.degrees
+        return d.pipeline_degree == d.tensor_degree == d.expert_degree == 1
+
     def configure_activation_checkpointing(self, spec: Any) -> None:
         self._checkpointing = spec
 
