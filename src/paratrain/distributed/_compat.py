@@ -107,6 +107,14 @@ def torch_function_disabled() -> Any:
     return disable()
 
 
+def in_backward() -> bool:
+    """True while autograd runs a backward (e.g. activation checkpointing's recompute)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is None:
+        raise _missing("torch._C._current_graph_task_id")
+    return task() != -1
+
+
 def rebind_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     """Make ``scheduler`` drive ``optimizer`` (a strategy's rebuild of the one it was made for).
 

@@ -29,12 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.distributed._compat import in_backward
 from paratrain.strategies.experts.moe import MoE
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward (activation checkpointing's recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _config_value(model: nn.Module, names: tuple[str, ...]) -> int | None:
@@ -113,7 +109,7 @@ class RouterLoad:
         own = isinstance(module, MoE)
 
         def count(layer: nn.Module, args: Any, output: Any) -> None:
-            if not (layer.training and torch.is_grad_enabled()) or _in_backward():
+            if not (layer.training and torch.is_grad_enabled()) or in_backward():
                 return
             if own:
                 routed = layer.tokens_per_expert  # this forward's counts (float)
