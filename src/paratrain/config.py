@@ -10,7 +10,7 @@ from typing import Any
 from paratrain.fieldtypes import check_types
 from paratrain.trackers.base import Tracker, check_loggers
 
-PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true", "float8")
 NAN_POLICIES = ("stop", "skip", "warn")
 
 
@@ -38,7 +38,14 @@ class RunConfig:
     process would."""
 
     precision: str = "32"
-    """Numeric precision: ``32``, ``bf16-mixed``, ``16-mixed`` or ``bf16-true``."""
+    """Numeric precision: ``32``, ``bf16-mixed``, ``16-mixed``, ``bf16-true`` or ``float8``
+    (``bf16-mixed`` with the Linears in torchao's float8; ``pip install 'paratrain[float8]'``,
+    see docs/precision.md)."""
+
+    float8: Any = None
+    """Options of ``precision="float8"``: a :class:`paratrain.float8.Float8`, a dict of its
+    fields (``{"recipe": "rowwise", "skip": ["lm_head"]}``) or None (tensorwise, the output
+    head kept bfloat16). Refused with any other precision."""
 
     accumulate: int = 1
     """Micro-batches per optimizer step (gradient accumulation)."""
@@ -157,6 +164,13 @@ class RunConfig:
             raise ValueError(f"sync_batchnorm must be True or False, got {self.sync_batchnorm!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.float8 is not None and self.precision != "float8":
+            raise ValueError(f"float8 options were given with precision {self.precision!r}; "
+                             "use precision='float8' or drop float8")
+        if self.precision == "float8":
+            from paratrain.float8 import Float8
+
+            object.__setattr__(self, "float8", Float8.parse(self.float8))
         if self.nan not in NAN_POLICIES:
             raise ValueError(f"nan must be one of {NAN_POLICIES}, got {self.nan!r}")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:

@@ -11,7 +11,9 @@ from torch import nn
 
 from paratrain.config import PRECISIONS
 
-_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+# float8: bfloat16 autocast around the float8 linears (see paratrain.float8).
+_AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16,
+                    "float8": torch.bfloat16}
 
 
 class _StepThrough:
@@ -51,7 +53,8 @@ class Precision:
     in forward. ``16-mixed``: float16 autocast plus a GradScaler that skips steps
     whose gradients overflowed (its state is saved in checkpoints). ``bf16-true``:
     the module itself is cast to bfloat16, floating inputs are cast on the way in
-    and outputs back to float32 on the way out.
+    and outputs back to float32 on the way out. ``float8``: ``bf16-mixed`` plus the
+    Linears converted to torchao's float8 training linears (:mod:`paratrain.float8`).
 
     Example:
         >>> precision = Precision("bf16-mixed", "cpu")
@@ -63,6 +66,10 @@ class Precision:
     def __init__(self, mode: str, device_type: str) -> None:
         if mode not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {mode!r}")
+        if mode == "float8":  # torchao and the GPU are checked here, at Run(...)
+            from paratrain.float8 import check_available
+
+            check_available(device_type)
         self.mode = mode
         self.device_type = device_type
         self.scaler = torch.amp.GradScaler(device_type) if mode == "16-mixed" else None
@@ -97,7 +104,21 @@ class Precision:
         with self.autocast():
             return fn(*args, **kwargs)
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: nn.Module, *, float8: Any = None,
+                       strategy: Any = None) -> nn.Module:
+        """``module`` as this policy trains it, before the strategy wraps it.
+
+        ``float8``: the options of ``float8`` (:class:`paratrain.float8.Float8`, a dict or
+        None); ``strategy``: the run's, whose layout decides float8 all-gather.
+        """
+        if float8 is not None and self.mode != "float8":
+            raise ValueError(f"float8 options were given with precision {self.mode!r}; "
+                             "use precision='float8' or drop float8")
+        if self.mode == "float8":
+            from paratrain.float8 import Float8, convert
+
+            return convert(module, Float8.parse(float8), device_type=self.device_type,
+                           strategy=strategy)
         if self.mode == "bf16-true":
             return module.to(torch.bfloat16)
         return module

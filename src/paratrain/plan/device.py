@@ -13,7 +13,7 @@ from typing import Any
 
 from paratrain.config import PRECISIONS
 
-_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16", "float8": "bfloat16"}
 
 
 def select_device(requested: str | None = None) -> Any:

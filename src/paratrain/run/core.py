@@ -67,6 +67,7 @@ class Run(TrainStep, Metrics, Pretrained):
     def __init__(
         self, *, strategy: str = "auto", strategy_options: dict[str, Any] | None = None,
         parallel: Any = None, sync_batchnorm: bool = False, precision: str = "32",
+        float8: Any = None,
         accumulate: int = 1, max_grad_norm: float | None = None, nan: str = "stop",
         checkpoint_activations: Any = None, seed: int = 0, timeout_s: float | None = None,
         accelerator: str = "auto", checkpoint_dir: str | os.PathLike | None = None,
@@ -189,7 +190,8 @@ class Run(TrainStep, Metrics, Pretrained):
             model = convert_sync_batchnorm(model, group=self.strategy.data_parallel_group,
                                            group_size=self.strategy.data_parallel_size,
                                            device_type=self.device.type)
-        model = self.precision.convert_module(model)
+        model = self.precision.convert_module(model, float8=self.config.float8,
+                                              strategy=self.strategy)
         self._configure_compile()  # after checkpointing: compile sees the recompute
         # Wrapping communicates (DDP broadcasts the parameters): a peer lost here is one
         # line too.
