@@ -18,15 +18,20 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from paratrain.distributed import _compat
+from paratrain.flop_counter import StepFlopCounter, graph_flops
+
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 """``torch.compile`` modes that record CUDA graphs."""
 _MODES = (None, "default", *CUDA_GRAPH_MODES, "max-autotune-no-cudagraphs")
+SCOPES = ("auto", "blocks", "model")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +54,13 @@ class CompileOptions:
     options: dict[str, Any] = field(default_factory=dict)
     """Backend options, e.g. ``{"triton.cudagraphs": True}`` (not with ``mode``)."""
 
+    scope: str = "auto"
+    """What one graph covers: ``blocks`` compiles each repeated block (a transformer's
+    layers) on its own, one graph shared by all of them, as torchtitan does: short
+    compile times, the embedding and head stay eager; ``model`` compiles the whole
+    forward; ``auto`` is ``blocks`` for a model with repeated blocks, else ``model``.
+    Sharded layouts always compile per FSDP unit."""
+
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"compile['mode'] must be one of {_MODES}, got {self.mode!r}")
@@ -63,6 +75,8 @@ class CompileOptions:
                              f"got {self.backend!r}")
         if not isinstance(self.options, dict):
             raise ValueError(f"compile['options'] must be a dict, got {self.options!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"compile['scope'] must be one of {SCOPES}, got {self.scope!r}")
         if self.mode not in (None, "default") and self.options:
             raise ValueError("compile: give either 'mode' or 'options', not both "
                              "(torch.compile accepts one of them)")
@@ -97,14 +111,18 @@ class CompileOptions:
         return replace(self, mode=mode, options=options)
 
     def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``torch.compile``."""
-        out: dict[str, Any] = {"fullgraph": self.fullgraph, "dynamic": self.dynamic,
-                               "backend": self.backend}
-        if self.mode is not None:
-            out["mode"] = self.mode
-        if self.options:
-            out["options"] = dict(self.options)
-        return out
+        """Keyword arguments of ``torch.compile``: the backend counts its graphs' FLOPs.
+
+        One backend object per options object: Dynamo guards on the backend, so the
+        blocks compiled with the same options share their graph.
+        """
+        backend = self.__dict__.get("_counted_backend")
+        if backend is None:
+            backend = counted_backend(_compat.compile_backend(
+                self.backend, mode=self.mode, options=self.options or None,
+                dynamic=self.dynamic))
+            object.__setattr__(self, "_counted_backend", backend)  # a cache, not a field
+        return {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": backend}
 
 
 def cuda_graph_blockers(*, device: torch.device, precision: str, dynamic: bool | None,
@@ -150,15 +168,82 @@ def partial_batch_notice(*, samples_per_rank: int, batch_size: int) -> str | Non
             f"{samples_per_rank} keeps one static shape")
 
 
+def counted_backend(compiler: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiler`` whose graphs add their FLOPs to the step being counted (for MFU).
+
+    See :mod:`paratrain.flop_counter`: a graph is counted once on its fake inputs; each
+    call during a counted micro-step adds that count.
+    """
+    def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        counts = graph_flops(graph, example_inputs)
+        compiled = compiler(graph, example_inputs)
+        boxed = getattr(compiled, "_boxed_call", False)
+
+        def run(*args: Any) -> Any:
+            outputs = compiled(*args)
+            counter = StepFlopCounter.active()
+            if counter is not None:
+                counter.add(None if counts is None else counts[0])
+                # The backward is in the count only where it runs compiled; an eager
+                # one (a backend without AOTAutograd) is counted live.
+                if counts is not None and counter.hook_compiled_backward(outputs):
+                    counter.add(counts[1])
+            return outputs
+
+        run._boxed_call = boxed  # type: ignore[attr-defined]
+        return run
+
+    return backend
+
+
 def compile_forward(module: nn.Module, options: CompileOptions) -> nn.Module:
     """Compile ``module.forward`` in place; returns ``module``.
 
     The bound ``forward`` is replaced rather than wrapping the module (as
     ``torch.compile(module)`` would), so state-dict keys keep their names and hooks
-    registered on the module (FSDP's) run outside the compiled graph.
+    registered on the module (FSDP's) run outside the compiled graph. While the first
+    step's FLOPs are counted, the compiled call runs with the counter's dispatch mode
+    stepped aside: under it Dynamo would not compile.
     """
-    module.forward = torch.compile(module.forward, **options.kwargs())  # type: ignore[method-assign]
+    compiled = torch.compile(module.forward, **options.kwargs())
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        counter = StepFlopCounter.active()
+        if counter is None:
+            return compiled(*args, **kwargs)
+        with counter.outside_mode():
+            return compiled(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
     return module
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: members of a ``ModuleList`` of two or more modules of
+    one class with parameters (a transformer's layers), outermost lists only."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, nn.ModuleList):
+            continue
+        members = list(module)
+        if (len(members) >= 2 and len({type(m) for m in members}) == 1
+                and any(True for _ in members[0].parameters())):
+            blocks.extend(members)
+            inside.update(id(m) for block in members for m in block.modules())
+    return blocks
+
+
+def compile_model(model: nn.Module, options: CompileOptions) -> nn.Module:
+    """Compile ``model`` in place at the options' scope (per block or whole); returns it."""
+    blocks = repeated_blocks(model) if options.scope != "model" else []
+    if options.scope == "blocks" and not blocks:
+        raise ValueError(f"compile['scope'] is 'blocks' but {type(model).__name__} has no "
+                         "repeated blocks (a ModuleList of layers of one class); use "
+                         "scope 'auto' or 'model'")
+    for block in blocks:
+        compile_forward(block, options)
+    return model if blocks else compile_forward(model, options)
 
 
 class CompileClock:

@@ -3,7 +3,7 @@
 MFU is the model's useful FLOP/s divided by what the device can do at its
 dense peak for the run's precision. The model's FLOPs are counted by
 ``torch.utils.flop_counter.FlopCounterMode`` during the first training
-micro-step (every forward before the first ``run.backward`` and that backward),
+micro-step (compiled graphs by :mod:`paratrain.flop_counter`) (every forward before the first ``run.backward`` and that backward),
 so nothing is computed twice and no random numbers are drawn for it.
 
 Example:
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from paratrain.flop_counter import StepFlopCounter
 
 T = 1e12
 
@@ -78,7 +80,7 @@ def peak_flops_for(device_name: str, dtype: str) -> float | None:
 
 def compute_dtype(precision: str) -> str:
     """The tensor-core format a run's matmuls use: bf16, fp16, tf32 or fp32."""
-    if precision.startswith("bf16"):
+    if precision.startswith("bf16") or precision == "float8":  # float8 MFU: of bf16 peak
         return "bf16"
     if precision == "16-mixed":
         return "fp16"
@@ -110,40 +112,38 @@ class FirstStepFlops:
     """Counts the FLOPs of the first training micro-step, then never again.
 
     ``start`` is called from the model's forward, ``stop`` after backward. The
-    counter only observes the operators (a dispatch mode), so the step computes
-    exactly what it would without it.
+    counter only observes the operators (a dispatch mode, stepped aside around compiled
+    graphs, which are counted when compiled: :mod:`paratrain.flop_counter`), so the step
+    computes exactly what it would without it, and a compiled step stays compiled.
     """
 
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
         self.flops_per_sample: float | None = None
-        self._mode: Any = None
+        self._counter: StepFlopCounter | None = None
         self._samples = 0
 
     @property
     def active(self) -> bool:
-        return self._mode is not None
+        return self._counter is not None
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.enabled or self._mode is not None:
+        if not self.enabled or self._counter is not None:
             return
         samples = _batch_size(args, kwargs)
         if not samples:
             self.enabled = False  # nothing to divide by: MFU stays n/a
             return
-        from torch.utils.flop_counter import FlopCounterMode
-
         self._samples = samples
-        self._mode = FlopCounterMode(display=False)
-        self._mode.__enter__()
+        self._counter = StepFlopCounter()
+        self._counter.start()
 
     def stop(self) -> None:
-        if self._mode is None:
+        if self._counter is None:
             return
-        mode, self._mode = self._mode, None
-        mode.__exit__(None, None, None)
+        counter, self._counter = self._counter, None
+        total = counter.stop()
         self.enabled = False
-        total = mode.get_total_flops()
         self.flops_per_sample = total / self._samples if total else None
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from paratrain.compile import CompileOptions, compile_forward
+from paratrain.compile import CompileOptions, compile_model
 from paratrain.distributed import _compat
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import Compiles
@@ -81,7 +81,7 @@ class DDPStrategy(Strategy, Compiles):
             # The wrapped module's forward runs inside DDP's forward, where Dynamo's DDP
             # optimiser splits the graph at bucket boundaries so that all-reduce still
             # overlaps backward.
-            compile_forward(model, self._compile)
+            compile_model(model, self._compile)
         if not self.topology.is_distributed:
             return model
         device_ids = [self.topology.device.index] if self.topology.device.type == "cuda" else None

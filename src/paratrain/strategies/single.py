@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from paratrain.compile import compile_forward
+from paratrain.compile import compile_model
 from paratrain.strategies.base import Strategy
 from paratrain.strategies.capabilities import Compiles
 
@@ -16,4 +16,4 @@ class SingleDevice(Strategy, Compiles):
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = super().setup_model(model)
-        return compile_forward(model, self._compile) if self._compile is not None else model
+        return compile_model(model, self._compile) if self._compile is not None else model

@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from paratrain.activation_checkpointing import apply_activation_checkpointing
-from paratrain.compile import CompileOptions, compile_forward
+from paratrain.compile import CompileOptions, compile_forward, compile_model
 from paratrain.distributed.mesh import ParallelMesh
 from paratrain.parallel.degrees import Parallel
 from paratrain.parallel.options import ContextParallel, Sharding
@@ -89,7 +89,7 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, layout: Parallel, *,
     sharded = d.data_parallel_degree * d.context_degree > 1
     if not sharded:
         if compile_options is not None:
-            compile_forward(module, compile_options)
+            compile_model(module, compile_options)
         return applied
     apply_fsdp(module, mesh, layout.sharding or Sharding(), mp_policy=mp_policy,
                compile_options=compile_options, offload_policy=offload_policy)

@@ -152,13 +152,6 @@ class LayoutStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluati
     def cuda_graphs_blocker(self) -> str | None:
         return "FSDP's all-gathers and frees run between the graphs" if self.active else None
 
-    def configure_compile(self, options: Any) -> None:
-        if self.pipeline is not None:
-            # Not verified with the pipelining schedules: refused rather than risk a hang.
-            raise ValueError("compile with a pipeline (pp > 1) is not supported yet; use "
-                             "compile=False")
-        super().configure_compile(options)
-
     # -- model and optimizer --------------------------------------------------------
     def setup_model(self, model: nn.Module) -> nn.Module:
         offload = bool(self.layout.sharding and self.layout.sharding.offload) and self.active
@@ -219,12 +212,12 @@ class LayoutStrategy(DTensorParameters, Strategy, ShardedState, LockstepEvaluati
 
     def _single(self, model: nn.Module, names: dict[int, str]) -> nn.Module:
         from paratrain.activation_checkpointing import apply_activation_checkpointing
-        from paratrain.compile import compile_forward
+        from paratrain.compile import compile_model
 
         if self._checkpointing is not None:
             apply_activation_checkpointing(model, self._checkpointing)
         if self._compile is not None:
-            compile_forward(model, self._compile)
+            compile_model(model, self._compile)
         if on_meta(model):
             materialise(model, self.topology.device)
         self._remember(model, names)
