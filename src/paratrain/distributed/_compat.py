@@ -20,7 +20,7 @@ __all__ = [
     "all_gather_single", "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
     "flattened_group", "make_tensor_subclass", "shard_indices", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
     "compile_backend", "detect_fake_mode", "global_flop_counter", "is_fake", "torch_function_disabled", "transposed_linear_style",
-    "tree_leaves", "tree_map",
+    "tree_leaves", "tree_map", "keep_forwards_only", "schedule_actions",
 ]
 
 
@@ -280,6 +280,30 @@ def schedule_actions(class_name: str, num_ranks: int, microbatches: int,
             for rank in sorted(order)}
 
 
+def keep_forwards_only(schedule: Any) -> Any:
+    """``schedule`` (a multi-stage torch schedule, built) reduced to its forward actions.
+
+    torch's runtime runs a V schedule's backward actions even without a loss (it hands
+    the gradient between the two stages of one rank, which fails when there is none):
+    evaluation keeps the forwards of the plan lowered to communication
+    (``pipeline_order_with_comms``, private) with their sends and receives, in order.
+    """
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if not isinstance(order, dict):
+        raise _missing(f"{type(schedule).__name__}.pipeline_order_with_comms")
+    keep = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
+
+    def forwards(action: Any) -> list[Any]:
+        if getattr(action, "sub_actions", None):
+            return [a for sub in action.sub_actions for a in forwards(sub)]
+        return [action] if getattr(action.computation_type, "value", None) in keep else []
+
+    schedule.pipeline_order_with_comms = {
+        rank: [a for action in actions for a in forwards(action)]
+        for rank, actions in order.items()}
+    return schedule
+
+
 # -- compile: the compiler's fake tensors and backends (paratrain.compile, flop_counter) --
 def tree_leaves(tree: Any) -> list[Any]:
     """Every leaf of nested lists/tuples/dicts/model outputs (torch's pytree)."""
@@ -324,31 +348,6 @@ def compile_backend(backend: Any, *, mode: str | None, options: dict[str, Any] |
     if wrapper is None:
         raise _missing("torch._TorchCompileWrapper")
     return wrapper(backend, mode, options, dynamic)
-
-
-
-def keep_forwards_only(schedule: Any) -> Any:
-    """``schedule`` (a multi-stage torch schedule, built) reduced to its forward actions.
-
-    torch's runtime runs a V schedule's backward actions even without a loss (it hands
-    the gradient between the two stages of one rank, which fails when there is none):
-    evaluation keeps the forwards of the plan lowered to communication
-    (``pipeline_order_with_comms``, private) with their sends and receives, in order.
-    """
-    order = getattr(schedule, "pipeline_order_with_comms", None)
-    if not isinstance(order, dict):
-        raise _missing(f"{type(schedule).__name__}.pipeline_order_with_comms")
-    keep = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
-
-    def forwards(action: Any) -> list[Any]:
-        if getattr(action, "sub_actions", None):
-            return [a for sub in action.sub_actions for a in forwards(sub)]
-        return [action] if getattr(action.computation_type, "value", None) in keep else []
-
-    schedule.pipeline_order_with_comms = {
-        rank: [a for action in actions for a in forwards(action)]
-        for rank, actions in order.items()}
-    return schedule
 
 
 class _GlobalOnly:
