@@ -47,6 +47,11 @@ class RunConfig:
     fields (``{"recipe": "rowwise", "skip": ["lm_head"]}``) or None (tensorwise, the output
     head kept bfloat16). Refused with any other precision."""
 
+    tf32: bool = True
+    """On a CUDA GPU, float32 matmuls run on TF32 tensor cores
+    (``torch.set_float32_matmul_precision("high")``) unless the process already chose a
+    matmul precision; ``run.close`` restores it. False keeps full float32 products."""
+
     accumulate: int = 1
     """Micro-batches per optimizer step (gradient accumulation)."""
 
@@ -164,6 +169,8 @@ class RunConfig:
             raise ValueError(f"sync_batchnorm must be True or False, got {self.sync_batchnorm!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not isinstance(self.tf32, bool):
+            raise ValueError(f"tf32 must be True or False, got {self.tf32!r}")
         if self.float8 is not None and self.precision != "float8":
             raise ValueError(f"float8 options were given with precision {self.precision!r}; "
                              "use precision='float8' or drop float8")

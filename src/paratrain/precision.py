@@ -63,7 +63,7 @@ class Precision:
         torch.bfloat16
     """
 
-    def __init__(self, mode: str, device_type: str) -> None:
+    def __init__(self, mode: str, device_type: str, *, tf32: bool = True) -> None:
         if mode not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {mode!r}")
         if mode == "float8":  # torchao and the GPU are checked here, at Run(...)
@@ -78,6 +78,19 @@ class Precision:
         self._proxies: dict[int, _StepThrough] = {}
         self.skipped_steps = 0
         """Optimizer steps the scaler skipped because gradients held inf/nan."""
+        self._matmul_before: str | None = None
+        if tf32 and device_type == "cuda" and torch.get_float32_matmul_precision() == "highest":
+            # float32 matmuls (a 32 run; the parts a mixed run keeps in float32) on the
+            # TF32 tensor cores: 10 mantissa bits in the products, float32 sums. A
+            # precision the user chose ("high", "medium") is left alone; close restores.
+            self._matmul_before = "highest"
+            torch.set_float32_matmul_precision("high")
+
+    def restore(self) -> None:
+        """Undo what the policy set process-wide (TF32 matmuls); called by ``run.close``."""
+        if self._matmul_before is not None:
+            torch.set_float32_matmul_precision(self._matmul_before)
+            self._matmul_before = None
 
     def _proxy(self, optimizer: torch.optim.Optimizer) -> _StepThrough:
         if id(optimizer) not in self._proxies:

@@ -97,7 +97,7 @@ def build_parts(config: RunConfig, settings: Settings,
         strategy = create_strategy(resolved.name, topology, resolved.options,
                                    timeout_s=config.timeout_s, layout=resolved.layout)
         misuse.check_ps_servers(strategy.name, settings.ps_servers)
-        precision = Precision(config.precision, topology.device.type)
+        precision = Precision(config.precision, topology.device.type, tf32=config.tf32)
         if isinstance(strategy, PrecisionPolicy):
             strategy.configure_precision(precision)
         # Once, cheaply: a node started with other settings fails here, not mid-run.

@@ -67,7 +67,7 @@ class Run(TrainStep, Metrics, Pretrained):
     def __init__(
         self, *, strategy: str = "auto", strategy_options: dict[str, Any] | None = None,
         parallel: Any = None, sync_batchnorm: bool = False, precision: str = "32",
-        float8: Any = None,
+        float8: Any = None, tf32: bool = True,
         accumulate: int = 1, max_grad_norm: float | None = None, nan: str = "stop",
         checkpoint_activations: Any = None, seed: int = 0, timeout_s: float | None = None,
         accelerator: str = "auto", checkpoint_dir: str | os.PathLike | None = None,
@@ -169,6 +169,9 @@ class Run(TrainStep, Metrics, Pretrained):
         misuse.check_not_prepared(model, self.state.models, self.strategy.unwrap)
         if optimizer is not None:
             misuse.check_optimizer_matches(model, optimizer)
+            notice = misuse.optimizer_notice(optimizer, self.device)
+            if notice:
+                self.print(notice)
         misuse.check_scheduler_matches(optimizer, scheduler)
         notice = misuse.router_loss_notice(model)
         if notice:
@@ -364,6 +367,7 @@ class Run(TrainStep, Metrics, Pretrained):
         # After a lost peer the pending agreement can only time out: do not wait for it.
         self._stop.close(wait=not self._peer_lost)
         self.strategy.teardown()
+        self.precision.restore()
         if self._owns_group:
             destroy_process_group()
         if failed is not None:

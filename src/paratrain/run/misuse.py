@@ -120,3 +120,23 @@ def router_loss_notice(model: nn.Module) -> str | None:
             "has output_router_logits=False, so out.loss has no load-balancing term and the "
             "router may collapse onto a few experts; set config.output_router_logits=True "
             "(its router_aux_loss_coef weights the term)")
+
+
+def optimizer_notice(optimizer: torch.optim.Optimizer, device: torch.device) -> str | None:
+    """A one-line suggestion when a GPU run's optimizer updates one tensor at a time.
+
+    torch's optimizers step all parameters in a few kernels (``foreach``, their default
+    on CUDA) or in one (``fused=True``); with ``foreach=False``, or an optimizer that has
+    neither, each parameter costs several kernel launches per step, which dominates the
+    step of a small model.
+    """
+    if device.type != "cuda":
+        return None
+    defaults = optimizer.defaults
+    if defaults.get("fused") or ("foreach" in defaults and defaults["foreach"] is not False):
+        return None
+    name = type(optimizer).__name__
+    how = "foreach=False" if "foreach" in defaults else "it has no foreach or fused form"
+    return (f"paratrain: optimizer {name} updates one tensor at a time on the GPU ({how}); "
+            f"a torch optimizer with fused=True (or foreach=True) launches a few kernels "
+            f"per step instead of several per parameter")
