@@ -19,7 +19,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_single", "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
     "flattened_group", "make_tensor_subclass", "shard_indices", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
-    "compile_backend", "detect_fake_mode", "global_flop_counter", "is_fake", "torch_function_disabled", "transposed_linear_style",
+    "compile_backend", "compiled_by_user", "detect_fake_mode", "global_flop_counter", "is_fake", "torch_function_disabled", "transposed_linear_style",
     "tree_leaves", "tree_map", "keep_forwards_only", "schedule_actions",
 ]
 
@@ -375,3 +375,14 @@ def global_flop_counter() -> Any:
     if hasattr(counter, "mod_tracker"):
         counter.mod_tracker = _GlobalOnly()
     return counter
+
+
+def compiled_by_user(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a submodule was compiled by the script itself
+    (``torch.compile(module)``, an ``OptimizedModule``, or ``module.compile()``)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        OptimizedModule = ()  # noqa: N806  (no such class: only .compile() is seen)
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None)
+               is not None for m in module.modules())
