@@ -174,3 +174,19 @@ def test_compiled_graphs_run_on_every_step_under_each_layout(strategy, options, 
         else:
             assert flops == pytest.approx(eager_flops, rel=1e-9)
         assert losses == pytest.approx(eager_losses, rel=REASSOCIATION)
+
+
+def test_a_model_compiled_by_the_script_stays_compiled_and_mfu_is_na(capsys):
+    log = GraphLog()
+    run = paratrain.Run(accelerator="cpu", progress=False, seed=2, peak_flops=1e12)
+    model = torch.compile(TinyLM(), backend=log.backend())
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in run.epochs(1):
+        for (batch,) in run.loader(tokens(), batch_size=BATCH):
+            run.backward(F.cross_entropy(model(batch).flatten(0, 1), batch.flatten()))
+            run.step(optimizer)
+    flops = run.throughput.flops_per_sample
+    run.close()
+    assert log.calls == SAMPLES // BATCH  # compiled from the first step on
+    assert flops is None
+    assert "compiled before prepare, so MFU is n/a" in capsys.readouterr().out

@@ -173,9 +173,10 @@ class Run(TrainStep, Metrics, Pretrained):
             if notice:
                 self.print(notice)
         misuse.check_scheduler_matches(optimizer, scheduler)
-        notice = misuse.router_loss_notice(model)
-        if notice:
-            self.print(notice)
+        for notice in (misuse.router_loss_notice(model),
+                       self._flop_counter.skip_user_compiled(model)):
+            if notice:
+                self.print(notice)
         if self.strategy.data_parallel_size == self.world_size:
             # Every rank holds (a shard of) the same model: compare shapes before any
             # wrapper communicates, since a wrapper fails obscurely on a mismatch.

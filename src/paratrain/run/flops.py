@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from paratrain.distributed import _compat
 from paratrain.flop_counter import StepFlopCounter
 
 T = 1e12
@@ -126,6 +127,19 @@ class FirstStepFlops:
     @property
     def active(self) -> bool:
         return self._counter is not None
+
+    def skip_user_compiled(self, model: Any) -> str | None:
+        """Turn counting off for a model the script compiled itself; the notice to print.
+
+        Its compiled code is not built by the run's counting backend, and the counter's
+        dispatch mode around it would make Dynamo run it eagerly (older torch: for good).
+        """
+        if not self.enabled or not _compat.compiled_by_user(model):
+            return None
+        self.enabled = False
+        return ("paratrain: the model was compiled before prepare, so MFU is n/a (counting "
+                "its FLOPs would run it uncompiled); use Run(compile=True) instead of "
+                "torch.compile to get both")
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.enabled or self._counter is not None:
