@@ -247,13 +247,22 @@ class DistributedLoader:
 
 
 def move_to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
-    """Move every tensor in a (nested) batch to ``device``."""
+    """Move every tensor in a (nested) batch to ``device``: one call per batch.
+
+    The nesting is walked by a private helper, not by calling this function again, so a
+    wrapper or spy around ``move_to_device`` sees each batch once (a spy that counted
+    the per-tensor calls read two moves per ``(x, y)`` batch).
+    """
+    return _moved(batch, device, non_blocking)
+
+
+def _moved(batch: Any, device: torch.device, non_blocking: bool) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, dict):
-        return {k: move_to_device(v, device, non_blocking=non_blocking) for k, v in batch.items()}
+        return {k: _moved(v, device, non_blocking) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        moved = [move_to_device(v, device, non_blocking=non_blocking) for v in batch]
+        moved = [_moved(v, device, non_blocking) for v in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
     if hasattr(batch, "to"):
         return batch.to(device)
