@@ -1,17 +1,19 @@
-"""One-command GPU proof: the gpu tests, bench, plan vs bench, peers and GPT-2 small, one report.
+"""One-command GPU proof: gpu tests, bench, plan, compile, float8, CUDA graphs; one report.
 
     make gpu-check                                   # = python3 benchmarks/gpu_check.py
-    python benchmarks/gpu_check.py --report out.md --budget peers=150
+    python benchmarks/gpu_check.py --report out.md --budget float8=150
     python benchmarks/gpu_check.py --dry-run         # every section tiny on CPU (plumbing)
 
 Sections run one after the other as child processes, each under its own time budget
 (killed with everything they started when it runs out), so a failed or hung section is
 FAIL and the later ones still run. All sections get ``--total-budget`` seconds (default
-500: with the kill grace of stopped commands, under 9 minutes; a dry run gets three
-times the defaults). The markdown report holds the device, torch/CUDA versions, and per
-section the commands, the table, the wall time and PASS/FAIL. Exit status: 0 when every
-section passed, 1 otherwise, 2 without CUDA (one line) or on a bad flag. What each
-section runs is in ``gpu_check_sections.py``.
+450: with the kill grace of stopped commands and the report, under 8 minutes; a dry run
+gets three times the defaults). A section that cannot apply here (float8 without torchao
+or below sm_89) is SKIP with its one-line reason and does not fail the check. The
+markdown report holds the device, torch/CUDA versions, and per section the commands, the
+table, the wall time and PASS/FAIL/SKIP. Exit status: 0 when no section failed, 1
+otherwise, 2 without CUDA (one line) or on a bad flag. What each section runs is in
+``gpu_check_sections.py``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 NO_CUDA = ("gpu-check: no CUDA device visible (torch.cuda.is_available() is False); "
            "run it on a GPU machine, or pass --dry-run for a tiny CPU run of every section")
-TOTAL_BUDGET_S = 500.0
+TOTAL_BUDGET_S = 450.0
 DRY_RUN_BUDGET_FACTOR = 3  # the budgets are for a GPU; a loaded CPU is slower at tiny sizes
 KILL_GRACE_S = 3.0
 TAIL_LINES = 25
@@ -56,11 +58,13 @@ class CommandResult:
 
 @dataclass
 class Outcome:
-    """What a section function returns: passed or not, its table, remarks for the report."""
+    """What a section function returns: passed or not, its table, remarks for the report;
+    ``skipped``: why the section does not apply here (one line), or None."""
 
     ok: bool
     table: str = ""
     notes: list[str] = field(default_factory=list)
+    skipped: str | None = None
 
 
 @dataclass
@@ -132,10 +136,13 @@ class SectionResult:
     table: str
     notes: list[str]
     commands: list[CommandResult]
+    skipped: str | None = None
 
     @property
     def status(self) -> str:
-        return "PASS" if self.passed else "FAIL"
+        if not self.passed:
+            return "FAIL"
+        return "SKIP" if self.skipped else "PASS"
 
 
 def run_section(section: Section, *, budget_s: float, dry_run: bool, workdir: Path,
@@ -150,7 +157,7 @@ def run_section(section: Section, *, budget_s: float, dry_run: bool, workdir: Pa
     except Exception as exc:  # one section's bug must not stop the others
         outcome = Outcome(False, notes=[f"section raised {type(exc).__name__}: {exc}"])
     seconds = time.monotonic() - started
-    notes = list(outcome.notes)
+    notes = list(outcome.notes) + ([outcome.skipped] if outcome.skipped else [])
     for c in ctx.commands:
         if c.timed_out:
             notes.append(f"`{display(c.argv)}` was stopped: the section's {budget_s:.0f} s "
@@ -160,7 +167,7 @@ def run_section(section: Section, *, budget_s: float, dry_run: bool, workdir: Pa
         notes.append(f"took {seconds:.0f} s, over its {budget_s:.0f} s budget")
     passed = outcome.ok and not over and not any(c.timed_out for c in ctx.commands)
     return SectionResult(section.name, section.title, passed, seconds, budget_s,
-                         outcome.table, notes, ctx.commands)
+                         outcome.table, notes, ctx.commands, outcome.skipped)
 
 
 def run_sections(sections: list[Section], *, dry_run: bool, workdir: Path,
@@ -216,10 +223,12 @@ def format_report(results: list[SectionResult], info: dict[str, str], *, command
                   dry_run: bool, total_s: float) -> str:
     """The whole report as markdown: header, summary table, one part per section."""
     passed = sum(r.passed for r in results)
+    skipped = sum(r.status == "SKIP" for r in results)
     verdict = "PASS" if passed == len(results) else "FAIL"
     lines = ["# paratrain GPU check", "",
-             f"**{verdict}**: {passed} of {len(results)} sections passed, "
-             f"{total_s:.0f} s in all ({time.strftime('%Y-%m-%d %H:%M:%S %Z')}).", ""]
+             f"**{verdict}**: {passed} of {len(results)} sections passed"
+             + (f" ({skipped} skipped)" if skipped else "")
+             + f", {total_s:.0f} s in all ({time.strftime('%Y-%m-%d %H:%M:%S %Z')}).", ""]
     if dry_run:
         lines += ["Dry run on CPU: every section ran at a tiny size to check the plumbing; "
                   "no number here says anything about a GPU.", ""]

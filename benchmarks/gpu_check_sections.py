@@ -2,8 +2,10 @@
 
 Each function takes the check's :class:`gpu_check.Context`, runs existing tools through
 ``ctx.run`` (pytest, ``paratrain bench``, ``plan_validation.py --single-device``,
-``gpu_peers.py``, ``gpu_check_gpt.py``) and turns their JSON or output into a markdown
-table and a PASS/FAIL :class:`gpu_check.Outcome`.
+``gpu_check_gpt.py``, ``gpu_peers.py``) and turns their JSON or output into a markdown
+table and a PASS/FAIL/SKIP :class:`gpu_check.Outcome`. Every claim is a ratio of two
+runs in one process on one device: compile vs eager vs raw ``torch.compile`` (``gpt``),
+float8 vs bf16 (``float8``, target 1.2x), CUDA graphs vs eager (``cudagraphs``, 2x).
 """
 
 from __future__ import annotations
@@ -16,11 +18,22 @@ from typing import Any
 
 from gpu_check import Context, Outcome, Section
 from gpu_check_gpt import markdown_table as gpt_table
-from gpu_check_gpt import row_ok
+from gpu_check_gpt import ratio, row_ok
 
 PY = sys.executable
 PLAN_TOLERANCE = 0.20  # the plan's bar: predicted step time within 20% of the measured one
-PEER_JOBS = ("convnet", "resnet18")  # the GPT has its own section (eager and compiled)
+FLOAT8_TARGET = 1.2  # float8+compile tokens/s over bf16-mixed+compile's
+CUDA_GRAPHS_TARGET = 2.0  # ConvNet batch 64: reduce-overhead samples/s over eager's
+# On CUDA, two rows of the bench's five (single float32, ddp in bf16-mixed: a wrapper
+# and mixed precision) and short windows: the five took ~150 s on one GPU, mostly the
+# start of each row's processes.
+BENCH_CUDA = ["--strategies", "single,ddp+bf16-mixed", "--world-sizes", "1", "--warmup", "2",
+              "--steps", "5", "--repeats", "2"]
+# The plan's bench job on CUDA: warm windows (the GPU's clocks and caches settled) long
+# enough that a ~1 ms ConvNet step is not timed over a handful of steps.
+PLAN_CUDA = ["--warmup", "10", "--steps", "20", "--repeats", "3"]
+TINY_GPT = ["--accelerator", "cpu", "--layers", "1", "--width", "32", "--seq-len", "16",
+            "--batch-size", "2", "--warmup", "1", "--steps", "2", "--compile-backend", "eager"]
 _PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
 
 
@@ -75,7 +88,9 @@ def bench(ctx: Context) -> Outcome:
     """``paratrain bench`` with its default rows (on CUDA: the seeds' table)."""
     path = _fresh(ctx.workdir / "bench.json")
     argv = [PY, "-m", "paratrain.cli", "bench", "--json", str(path)]
-    if ctx.dry_run:
+    if not ctx.dry_run:
+        argv += BENCH_CUDA
+    else:
         argv += ["--accelerator", "cpu", "--strategies", "single", "--world-sizes", "1",
                  "--batch-size", "8", "--warmup", "1", "--steps", "2", "--repeats", "1",
                  "--threads", "1"]
@@ -113,6 +128,8 @@ def plan_vs_bench(ctx: Context) -> Outcome:
         if ctx.dry_run:  # the bar is about GPU numbers; a dry run proves the plumbing
             argv += ["--batch-size", "4", "--warmup", "1", "--steps", "2", "--repeats", "1",
                      "--tolerance", "1e9"]
+        else:
+            argv += PLAN_CUDA
         result = ctx.run(argv, f"plan-{name}")
         row = _json(path)
         if row is None:
@@ -129,66 +146,113 @@ def plan_vs_bench(ctx: Context) -> Outcome:
     return Outcome(ok, "\n".join(lines) if len(lines) > 2 else "", notes)
 
 
-def peers(ctx: Context) -> Outcome:
-    """``gpu_peers.py``: raw / Accelerate / Fabric / paratrain (+compile, +CUDA graphs)."""
-    if ctx.dry_run:
-        jobs = {"gpt": ["--accelerator", "cpu", "--variants", "raw", "paratrain",
-                        "--repeats", "1", "--warmup", "1", "--steps", "1", "--samples", "16",
-                        "--batch-size", "4", "--seq-len", "16", "--gpt-layers", "1",
-                        "--gpt-width", "32"]}
-    else:
-        jobs = {job: ["--accelerator", "cuda", "--repeats", "1", "--warmup", "3",
-                      "--steps", "15"] for job in PEER_JOBS}
-    head: list[str] = []
-    rows: list[str] = []
-    ok, notes = True, []
-    for job, flags in jobs.items():
-        result = ctx.run([PY, "benchmarks/gpu_peers.py", "--jobs", job, *flags], f"peers-{job}")
-        table = [line for line in result.output.splitlines() if line.startswith("|")]
-        head = head or table[:2]
-        rows += table[2:]
-        notes += [line for line in result.output.splitlines() if line.startswith("skipping")]
-        if not (result.ok and table[2:]):
-            ok = False
-            notes.append(f"{job}: no table (exit {result.returncode})")
-    if not ctx.dry_run:
-        notes.append("1 repeat of 15 steps after 3 warm-up steps per variant (budget); "
-                     "the full comparison is `python benchmarks/gpu_peers.py`")
-    return Outcome(ok, "\n".join(head + rows) if rows else "", notes)
-
-
 def gpt(ctx: Context) -> Outcome:
-    """GPT-2 small (124M) under ``Run``: tokens/s and MFU, eager and compiled."""
+    """GPT-2 small (124M): Run eager, Run compile=True and raw torch.compile, one process."""
     path = _fresh(ctx.workdir / "gpt.json")
     argv = [PY, "benchmarks/gpu_check_gpt.py", "--json", str(path)]
     if ctx.dry_run:
         # The eager backend walks the compile path without minutes of CPU code generation;
         # a nominal 1 TFLOP/s peak makes the MFU column computed.
-        argv += ["--accelerator", "cpu", "--layers", "1", "--width", "32", "--seq-len", "16",
-                 "--batch-size", "2", "--warmup", "1", "--steps", "2",
-                 "--compile-backend", "eager", "--peak-flops", "1e12"]
+        argv += [*TINY_GPT, "--peak-flops", "1e12"]
+    else:
+        argv += ["--warmup", "3", "--steps", "15"]
     result = ctx.run(argv, "gpt")
     data = _json(path) or {}
     rows = data.get("rows", [])
-    notes = []
-    if data:
-        model = data["model"]
-        peak = data["peak_flops"]
-        notes.append(f"GPT {model['n_layer']} x {model['n_embd']} ({model['n_head']} heads, "
-                     f"vocab {model['vocab_size']}), {data['precision']} on {data['device']}; "
-                     f"peak {'n/a' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}"
-                     + (" (nominal, dry run)" if ctx.dry_run else ""))
-    missing = {"eager", "compile"} - {r["variant"] for r in rows}
+    notes = _model_note(data, ctx.dry_run)
+    missing = {"eager", "compile", "raw+compile"} - {r["variant"] for r in rows}
     if missing:
         notes.append(f"missing variant(s): {', '.join(sorted(missing))}")
+    untraced = [r["variant"] for r in rows if r.get("compiled") and not r.get("traced")]
+    if untraced:
+        notes.append(f"nothing was compiled in {', '.join(untraced)}: no module ran under "
+                     "a Dynamo trace (torch.compiler.is_compiling() never True)")
+    pairs = (("compile", "eager"), ("raw+compile", "eager"), ("compile", "raw+compile"))
+    shown = [f"{a} / {b} = {x:.2f}x" for a, b in pairs if (x := ratio(rows, a, b))]
+    if shown:
+        notes.append("tokens/s: " + "; ".join(shown))
     ok = result.ok and not missing and all(row_ok(r) for r in rows)
     return Outcome(ok, gpt_table(rows) if rows else "", notes)
 
 
-SECTIONS = (
-    Section("gpu_tests", "gpu test tier (tests/gpu)", 120, gpu_tests),
-    Section("bench", "paratrain bench, default rows", 80, bench),
-    Section("plan", "plan vs bench, ConvNet and ResNet-18", 60, plan_vs_bench),
-    Section("peers", "peers: raw, Accelerate, Fabric, paratrain", 120, peers),
-    Section("gpt", "GPT-2 small (124M): tokens/s and MFU", 110, gpt),
+def float8(ctx: Context) -> Outcome:
+    """float8 vs bf16-mixed, both compiled, on a ~0.9B GPT (16 x 2048, batch 8 x 1024)."""
+    path = _fresh(ctx.workdir / "float8.json")
+    argv = [PY, "benchmarks/gpu_check_gpt.py", "--json", str(path),
+            "--variants", "bf16-mixed+compile", "float8+compile"]
+    argv += [*TINY_GPT, "--peak-flops", "1e12"] if ctx.dry_run else \
+        ["--layers", "16", "--width", "2048", "--batch-size", "8", "--warmup", "3",
+         "--steps", "10"]
+    result = ctx.run(argv, "float8")
+    data = _json(path) or {}
+    if data.get("skipped"):
+        return Outcome(result.ok, skipped=f"float8 skipped: {data['skipped']}")
+    rows = data.get("rows", [])
+    notes = _model_note(data, ctx.dry_run)
+    x = ratio(rows, "float8+compile", "bf16-mixed+compile")
+    ok = result.ok and x is not None and all(row_ok(r) for r in rows)
+    if x is None:
+        notes.append("missing variant(s): both bf16-mixed+compile and float8+compile must run")
+    else:
+        notes.append(f"float8 / bf16-mixed = {x:.2f}x tokens/s (target {FLOAT8_TARGET}x"
+                     + (", not applied in a dry run)" if ctx.dry_run else ")"))
+        ok = ok and (ctx.dry_run or x >= FLOAT8_TARGET)
+    return Outcome(ok, gpt_table(rows) if rows else "", notes)
+
+
+def cudagraphs(ctx: Context) -> Outcome:
+    """``gpu_peers.py`` on the ConvNet, batch 64: raw, Accelerate, Fabric, paratrain eager
+    and paratrain with CUDA graphs (``compile={"mode": "reduce-overhead"}``)."""
+    path = _fresh(ctx.workdir / "cudagraphs.json")
+    if ctx.dry_run:  # random tokens: no Fashion-MNIST files needed for the plumbing
+        job, flags = "gpt", ["--accelerator", "cpu", "--variants", "paratrain",
+                             "paratrain+cudagraphs", "--repeats", "1", "--warmup", "1",
+                             "--steps", "1", "--samples", "16", "--batch-size", "4",
+                             "--seq-len", "16", "--gpt-layers", "1", "--gpt-width", "32",
+                             "--compile-backend", "eager"]
+    else:
+        job, flags = "convnet", ["--accelerator", "cuda", "--variants", "raw", "accelerate",
+                                 "fabric", "paratrain", "paratrain+cudagraphs", "--repeats",
+                                 "1", "--warmup", "10", "--steps", "200"]
+    result = ctx.run([PY, "benchmarks/gpu_peers.py", "--jobs", job, "--json", str(path),
+                      *flags], "cudagraphs")
+    # gpu_peers prints two tables (peers, then compiled vs eager): a blank line apart.
+    table = "\n".join(line if line.startswith("|") else "" for line in result.output.splitlines()
+                      if line.startswith("|") or not line.strip()).strip()
+    table = "\n\n".join(part for part in table.split("\n\n") if part.strip())
+    notes = [line for line in result.output.splitlines() if line.startswith("skipping")]
+    found = [r["ratio"] for r in (_json(path) or {}).get("vs_paratrain", [])
+             if r["job"] == job and r["variant"] == "paratrain+cudagraphs"]
+    ok = result.ok and bool(found)
+    if not found:
+        notes.append(f"{job}: no CUDA graphs vs eager ratio (exit {result.returncode})")
+    else:
+        notes.append(f"CUDA graphs / eager = {found[0]:.2f}x samples/s (target "
+                     f"{CUDA_GRAPHS_TARGET}x" + (", not applied in a dry run; CPU: no CUDA "
+                                                 "graphs" if ctx.dry_run else "") + ")")
+        ok = ok and (ctx.dry_run or found[0] >= CUDA_GRAPHS_TARGET)
+    if not ctx.dry_run:
+        notes.append("1 repeat of 200 steps after 10 per variant (budget); the full "
+                     "comparison, ResNet-18 and GPT too, is `python benchmarks/gpu_peers.py`")
+    return Outcome(ok, table, notes)
+
+
+def _model_note(data: dict[str, Any], dry_run: bool) -> list[str]:
+    if not data:
+        return []
+    model, peak = data["model"], data["peak_flops"]
+    size = f", {model['parameters'] / 1e6:,.1f}M parameters" if "parameters" in model else ""
+    return [f"GPT {model['n_layer']} x {model['n_embd']} ({model['n_head']} heads, vocab "
+            f"{model['vocab_size']}{size}), {data['precision']} on {data['device']}; peak "
+            f"{'n/a' if peak is None else f'{peak / 1e12:.1f} TFLOP/s'}"
+            + (" (nominal, dry run)" if dry_run else "")]
+
+
+SECTIONS = (  # 450 s together: under 8 minutes with the kill grace and the report
+    Section("gpu_tests", "gpu test tier (tests/gpu)", 100, gpu_tests),
+    Section("bench", "paratrain bench: single, ddp+bf16-mixed", 55, bench),
+    Section("plan", "plan vs bench, ConvNet and ResNet-18", 50, plan_vs_bench),
+    Section("gpt", "GPT-2 small: compile vs eager vs raw torch.compile", 80, gpt),
+    Section("float8", "float8 vs bf16-mixed, compiled, ~0.9B GPT", 105, float8),
+    Section("cudagraphs", "ConvNet batch 64: CUDA graphs vs eager, peers", 60, cudagraphs),
 )

@@ -11,7 +11,11 @@ framework is written as its documentation shows it, data included: raw PyTorch
 iterates a ``DataLoader``, Accelerate ``prepare``s the model, optimizer and loader,
 Fabric uses ``setup`` and ``setup_dataloaders``, paratrain ``run.prepare`` and
 ``run.loader`` (its batched input path is on by default). paratrain also runs with
-``compile=True`` and, on CUDA, ``compile={"mode": "reduce-overhead"}`` (CUDA graphs).
+``compile=True`` and, on CUDA, ``compile={"mode": "reduce-overhead"}`` (CUDA graphs);
+a second table gives each compiled variant's samples/s over eager paratrain's, from
+the same run (gpu-check's CUDA graphs claim: ConvNet, batch 64, at least 2x).
+``--json`` writes every repeat's numbers; ``--compile-backend eager`` walks the
+compiled variants' path without code generation (plumbing only).
 
 One process, one device. Every (variant, repeat) builds its model, optimizer and
 loader afresh, runs ``--warmup`` untimed steps (compilation happens there) and times
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -182,7 +187,30 @@ BUILDERS: dict[str, Callable[..., Any]] = {
     "paratrain": build_paratrain, "paratrain+compile": build_paratrain,
     "paratrain+cudagraphs": build_paratrain,
 }
-COMPILE = {"paratrain+compile": True, "paratrain+cudagraphs": {"mode": "reduce-overhead"}}
+COMPILE = {"paratrain+compile": {}, "paratrain+cudagraphs": {"mode": "reduce-overhead"}}
+
+
+def compile_option(variant: str, backend: str) -> bool | dict[str, Any]:
+    """``Run(compile=...)`` of ``variant``: False for an eager one."""
+    if variant not in COMPILE:
+        return False
+    options = COMPILE[variant] | ({} if backend == "inductor" else {"backend": backend})
+    return options or True
+
+
+def speedups(results: list[Result]) -> dict[tuple[str, str], float]:
+    """Median samples/s of each compiled paratrain variant over eager paratrain's, per job."""
+    eager = {r.job: r.median for r in results if r.variant == "paratrain" and r.speeds}
+    return {(r.job, r.variant): r.median / eager[r.job] for r in results
+            if r.variant in COMPILE and r.speeds and eager.get(r.job)}
+
+
+def speedup_table(results: list[Result]) -> str:
+    """The compiled variants against eager paratrain, one row each (empty: none ran)."""
+    rows = [f"| {job} | {variant} | {ratio:.2f}x |"
+            for (job, variant), ratio in speedups(results).items()]
+    return "\n".join(["| job | variant | vs paratrain (eager) |", "|---|---|---:|", *rows]) \
+        if rows else ""
 
 
 def resident_mib() -> float | None:
@@ -209,12 +237,12 @@ def fresh_device(device: torch.device) -> bool:
     return cuda
 
 def measure(variant: str, job: str, size: JobSize, dataset: TensorDataset,
-            device: torch.device, *, precision: str, warmup: int,
-            steps: int) -> tuple[float, float | None]:
+            device: torch.device, *, precision: str, warmup: int, steps: int,
+            backend: str = "inductor") -> tuple[float, float | None]:
     """Build ``variant`` afresh, warm it up, time ``steps`` steps: (samples/s, peak MiB)."""
     cuda = fresh_device(device)
     step, batches, cleanup = BUILDERS[variant](job, size, dataset, device, precision,
-                                               COMPILE.get(variant, False))
+                                               compile_option(variant, backend))
     try:
         for _ in range(warmup):
             step(*next(batches))
@@ -253,6 +281,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="every job's; default: as named on cuda, 32 on cpu")
     parser.add_argument("--compile-on-cpu", action="store_true")
     parser.add_argument("--data-dir", default=None, help="Fashion-MNIST files")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the compiled variants (eager: plumbing)")
+    parser.add_argument("--json", default=None, help="also write every repeat's numbers here")
     args = parser.parse_args(argv)
     cpu = args.accelerator == "cpu"
     for name, on_cpu, on_cuda in (("repeats", 2, 3), ("warmup", 1, 10), ("steps", 4, 50)):
@@ -292,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for name in interleaved(names, repeat):
                 speed, peak = measure(name, job, size, dataset, device, precision=precision,
-                                      warmup=args.warmup, steps=args.steps)
+                                      warmup=args.warmup, steps=args.steps,
+                                      backend=args.compile_backend)
                 by_variant[name].speeds.append(speed)
                 by_variant[name].peaks_mib.append(peak)
                 print(f"  repeat {repeat} {name:<22} {speed:10.1f} samples/s", flush=True)
@@ -300,6 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     label = "peak MiB (CUDA max allocated)" if device.type == "cuda" else "RSS MiB after steps"
     print()
     print(markdown_table(results, memory_label=label))
+    table = speedup_table(results)
+    if table:
+        print()
+        print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": gpu, "torch": torch.__version__,
+                       "rows": [{"job": r.job, "variant": r.variant, "speeds": r.speeds,
+                                 "median": r.median if r.speeds else None,
+                                 "peak_mib": r.peak_mib} for r in results],
+                       "vs_paratrain": [{"job": j, "variant": v, "ratio": x}
+                                        for (j, v), x in speedups(results).items()]},
+                      f, indent=2)
     return 0
 
 

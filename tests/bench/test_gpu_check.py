@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -200,35 +201,117 @@ def test_plan_section_applies_the_20_percent_bar_on_cuda_only(tmp_path, dry_run)
     assert outcome.ok is dry_run
 
 
-def gpt_row(variant, loss=3.0):
-    return {"variant": variant, "batch_size": 16, "seq_len": 1024, "steps": 20,
-            "warmup_steps": 5, "warmup_s": 1.0, "step_s": 0.1, "tokens_per_s": 163840.0,
-            "tflops_per_device": 400.0, "mfu": 0.404, "flops_per_sample": 1e12,
-            "peak_mib": 20000.0, "final_loss": loss}
+def gpt_row(variant, loss=3.0, *, step_s=0.1, traced=True):
+    return {"variant": variant, "compiled": variant != "eager", "traced": traced,
+            "compile_s": None, "batch_size": 16, "seq_len": 1024, "steps": 20,
+            "warmup_steps": 5, "warmup_s": 1.0, "step_s": step_s,
+            "tokens_per_s": 16 * 1024 / step_s, "tflops_per_device": 400.0, "mfu": 0.404,
+            "flops_per_sample": 1e12, "peak_mib": 20000.0, "final_loss": loss}
 
 
-@pytest.mark.parametrize("rows, ok", [
-    ([gpt_row("eager"), gpt_row("compile")], True),
-    ([gpt_row("eager")], False),  # the compiled variant ran out of time
-    ([gpt_row("eager"), gpt_row("compile", float("nan"))], False),
+GPT_DATA = {"device": "NVIDIA H100 80GB HBM3", "precision": "bf16-mixed", "peak_flops": 989.5e12,
+            "model": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50304}}
+THREE = [gpt_row("eager"), gpt_row("compile", step_s=0.08), gpt_row("raw+compile", step_s=0.075)]
+
+
+@pytest.mark.parametrize("rows, ok, note", [
+    (THREE, True, "tokens/s: compile / eager = 1.25x; raw+compile / eager = 1.33x; "
+                  "compile / raw+compile = 0.94x"),
+    (THREE[:2], False, "missing variant(s): raw+compile"),  # ran out of time
+    ([THREE[0], gpt_row("compile", float("nan")), THREE[2]], False, None),
+    # The H200 session's symptom: compile=True ran, as fast as eager, nothing traced.
+    ([THREE[0], gpt_row("compile", traced=False), THREE[2]], False,
+     "nothing was compiled in compile: no module ran under a Dynamo trace "
+     "(torch.compiler.is_compiling() never True)"),
 ])
-def test_gpt_section_needs_both_variants_with_finite_losses(tmp_path, rows, ok):
-    data = {"device": "NVIDIA H100 80GB HBM3", "precision": "bf16-mixed", "peak_flops": 989.5e12,
-            "model": {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50304},
-            "rows": rows}
-    outcome = gpu_check_sections.gpt(FakeContext(tmp_path, {"gpt.json": data}))
+def test_gpt_section_needs_three_variants_finite_and_compiled(tmp_path, rows, ok, note):
+    outcome = gpu_check_sections.gpt(FakeContext(tmp_path, {"gpt.json": GPT_DATA | {"rows": rows}}))
     assert outcome.ok is ok
-    assert "| eager | 16 x 1024 | 20 | 100.0 | 163,840 | 400.0 | 40.4% | 20,000 |" in outcome.table
+    assert "| eager | 16 x 1024 | 20 | 100.0 | 163,840 | 1.00x | 400.0 | 40.4% | 20,000 | 1.0 " \
+           "| - |" in outcome.table
     assert "GPT 12 x 768 (12 heads, vocab 50304), bf16-mixed on NVIDIA H100 80GB HBM3; " \
            "peak 989.5 TFLOP/s" in outcome.notes[0]
+    if note:
+        assert note in outcome.notes
 
 
 def test_an_earlier_runs_json_in_a_reused_workdir_is_not_reported(tmp_path):
-    (tmp_path / "gpt.json").write_text(json.dumps({"rows": [gpt_row("eager"),
-                                                            gpt_row("compile")]}))
+    (tmp_path / "gpt.json").write_text(json.dumps(GPT_DATA | {"rows": THREE}))
     outcome = gpu_check_sections.gpt(FakeContext(tmp_path, {}))  # this run wrote nothing
     assert not outcome.ok and outcome.table == ""
-    assert outcome.notes == ["missing variant(s): compile, eager"]
+    assert outcome.notes == ["missing variant(s): compile, eager, raw+compile"]
+
+
+def f8_rows(bf16_step, f8_step):
+    return [gpt_row("bf16-mixed+compile", step_s=bf16_step),
+            gpt_row("float8+compile", step_s=f8_step)]
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize("f8_step, ok_on_cuda", [(0.08, True), (0.09, False)])
+def test_float8_section_applies_the_1_2x_target_on_cuda_only(tmp_path, dry_run, f8_step,
+                                                             ok_on_cuda):
+    data = GPT_DATA | {"rows": f8_rows(0.1, f8_step)}
+    outcome = gpu_check_sections.float8(FakeContext(tmp_path, {"float8.json": data},
+                                                    dry_run=dry_run))
+    assert outcome.ok is (ok_on_cuda or dry_run) and outcome.skipped is None
+    assert "| float8+compile | 16 x 1024 |" in outcome.table
+    assert any(n.startswith(f"float8 / bf16-mixed = {0.1 / f8_step:.2f}x tokens/s (target 1.2x")
+               for n in outcome.notes)
+
+
+def test_float8_section_skips_in_one_line_and_a_skip_does_not_fail(tmp_path):
+    data = GPT_DATA | {"skipped": "the GPU is sm_80; float8 matmuls need sm_89 or newer",
+                       "rows": []}
+    section = Section("float8", "float8", 30, gpu_check_sections.float8)
+    ctx = FakeContext(tmp_path, {"float8.json": data})
+    outcome = section.run(ctx)
+    assert outcome.ok and outcome.skipped == (
+        "float8 skipped: the GPU is sm_80; float8 matmuls need sm_89 or newer")
+    result = SectionResult("float8", "float8", outcome.ok, 1.0, 30, "", [outcome.skipped], [],
+                           outcome.skipped)
+    assert result.status == "SKIP"
+    text = format_report([result], {}, command="c", dry_run=False, total_s=1)
+    assert "**PASS**: 1 of 1 sections passed (1 skipped)" in text and "| float8 | SKIP |" in text
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+@pytest.mark.parametrize("speedup, ok_on_cuda", [(2.4, True), (1.6, False)])
+def test_cuda_graphs_section_applies_the_2x_target_on_cuda_only(tmp_path, dry_run, speedup,
+                                                                ok_on_cuda):
+    job = "gpt" if dry_run else "convnet"
+    data = {"vs_paratrain": [{"job": job, "variant": "paratrain+compile", "ratio": 9.0},
+                             {"job": job, "variant": "paratrain+cudagraphs", "ratio": speedup}]}
+    ctx = FakeContext(tmp_path, {"cudagraphs.json": data}, dry_run=dry_run)
+    outcome = gpu_check_sections.cudagraphs(ctx)
+    assert outcome.ok is (ok_on_cuda or dry_run)
+    assert any(n.startswith(f"CUDA graphs / eager = {speedup:.2f}x samples/s (target 2.0x")
+               for n in outcome.notes)
+    argv = ctx.commands[0].argv
+    assert argv[argv.index("--jobs") + 1] == job and "paratrain+cudagraphs" in argv
+
+
+def test_dry_run_commands_are_tiny_on_cpu_and_cuda_ones_sized(tmp_path):
+    def argv_of(section, dry_run):
+        ctx = FakeContext(tmp_path, {}, dry_run=dry_run)
+        section(ctx)
+        return " ".join(ctx.commands[0].argv)
+
+    for section in (gpu_check_sections.gpt, gpu_check_sections.float8,
+                    gpu_check_sections.cudagraphs):
+        dry = argv_of(section, True)
+        assert "--accelerator cpu" in dry and "--compile-backend eager" in dry
+        assert "--accelerator cpu" not in argv_of(section, False)
+    assert "--layers 16 --width 2048" in argv_of(gpu_check_sections.float8, False)
+    assert "--variants bf16-mixed+compile float8+compile" in argv_of(
+        gpu_check_sections.float8, True)
+    cuda_bench = argv_of(gpu_check_sections.bench, False)
+    assert "--strategies single,ddp+bf16-mixed --world-sizes 1" in cuda_bench
+    assert sum(s.budget_s for s in gpu_check_sections.SECTIONS) == gpu_check.TOTAL_BUDGET_S
+    # Every section stopped at its budget, each with its kill grace, and 10 s to spare:
+    # still under the 8 minutes.
+    grace = len(gpu_check_sections.SECTIONS) * gpu_check.KILL_GRACE_S
+    assert gpu_check.TOTAL_BUDGET_S + grace + 10 < 8 * 60
 
 
 @pytest.mark.slow
@@ -238,14 +321,25 @@ def test_dry_run_runs_every_section_tiny_on_cpu(tmp_path):
                          str(tmp_path / "work")])
     text = report.read_text()
     assert rc == 0, text
-    assert "**PASS**: 5 of 5 sections passed" in text and "Dry run on CPU" in text
+    assert "**PASS**: 6 of 6 sections passed" in text and "Dry run on CPU" in text
+    float8_runs = importlib.util.find_spec("torchao") is not None
     for i, title in enumerate(s.title for s in gpu_check_sections.SECTIONS):
-        assert f"## {i + 1}. {title}: PASS" in text
+        status = "SKIP" if title.startswith("float8") and not float8_runs else "PASS"
+        assert f"## {i + 1}. {title}: {status}" in text
     assert "| 0 | 0 | 0 |" in text  # gpu tests: none passed, failed or errored (all skipped)
     assert "| single | 1 | ok |" in text  # bench
     assert "| convnet | cpu |" in text and "| resnet18 | cpu |" in text  # plan vs bench
-    assert "| gpt | raw |" in text and "| gpt | paratrain |" in text  # peers
-    assert "| eager | 2 x 16 | 2 |" in text and "| compile | 2 x 16 | 2 |" in text  # GPT
+    for variant in ("eager", "compile", "raw+compile"):  # GPT, each compiled one traced
+        assert f"| {variant} | 2 x 16 | 2 |" in text
+    compiled = [line for line in text.splitlines()
+                if line.startswith("| ") and line.split("|")[1].strip().endswith("+compile")
+                or line.startswith("| compile |")]
+    assert len(compiled) == 2 + 2 * float8_runs and all("| yes |" in r for r in compiled)
+    assert "- tokens/s: compile / eager = " in text
+    if float8_runs:  # emulated on the CPU
+        assert "| float8+compile | 2 x 16 | 2 |" in text and "- float8 / bf16-mixed = " in text
+    assert "| gpt | paratrain+cudagraphs |" in text and "- CUDA graphs / eager = " in text
     assert sorted(os.listdir(tmp_path / "work")) == [
-        "bench.json", "bench.log", "gpt.json", "gpt.log", "gpu_tests.log", "peers-gpt.log",
-        "plan-convnet.json", "plan-convnet.log", "plan-resnet18.json", "plan-resnet18.log"]
+        "bench.json", "bench.log", "cudagraphs.json", "cudagraphs.log", "float8.json",
+        "float8.log", "gpt.json", "gpt.log", "gpu_tests.log", "plan-convnet.json",
+        "plan-convnet.log", "plan-resnet18.json", "plan-resnet18.log"]

@@ -17,7 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks
 pytestmark = pytest.mark.gpu
 
 
-def test_gpt_section_measures_tokens_and_mfu_eager_and_compiled(tmp_path, capsys):
+def test_gpt_section_measures_tokens_mfu_eager_compiled_and_raw(tmp_path, capsys):
     import gpu_check_gpt
 
     out = tmp_path / "gpt.json"
@@ -30,7 +30,8 @@ def test_gpt_section_measures_tokens_and_mfu_eager_and_compiled(tmp_path, capsys
     data = json.loads(out.read_text())
     assert data["precision"] == "bf16-mixed"
     assert data["device"] == torch.cuda.get_device_name()
-    assert [r["variant"] for r in data["rows"]] == ["eager", "compile"]
+    assert [r["variant"] for r in data["rows"]] == ["eager", "compile", "raw+compile"]
+    assert [r["traced"] for r in data["rows"]] == [False, True, True]  # Dynamo traced both
     for row in data["rows"]:
         assert row["tokens_per_s"] > 0 and row["peak_mib"] > 0
         assert math.isfinite(row["final_loss"])

@@ -69,3 +69,30 @@ def test_calibrate_rejects_bad_input():
         calibrate(nn.Linear(2, 2), torch.randn(1, 2), repeats=0)
     with pytest.raises(ValueError, match="no parameters"):
         calibrate(nn.ReLU(), torch.randn(1, 2))
+
+
+def test_back_to_back_times_the_passes_between_two_clock_reads(monkeypatch):
+    # CUDA's default (a loop queues the next pass while the device runs the last one),
+    # here on the CPU: the same profile, and the clock read twice more, around the loop.
+    from paratrain.plan import calibration
+
+    reads = []
+    real = calibration.make_clock
+
+    def counting(device, **kwargs):
+        clock = real(device, **kwargs)
+
+        def now():
+            reads.append(device.type)
+            return clock()
+        return now
+
+    monkeypatch.setattr(calibration, "make_clock", counting)
+    counts = {}
+    for mode in (None, False, True):
+        reads.clear()
+        profile = calibrate(nn.Linear(8, 8), torch.randn(4, 8), repeats=3, device="cpu",
+                            back_to_back=mode)
+        counts[mode] = len(reads)
+        assert profile.compute_time_per_sample > 0 and 0 < profile.backward_fraction < 1
+    assert counts[None] == counts[False] and counts[True] == counts[False] + 2

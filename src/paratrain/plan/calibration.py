@@ -38,7 +38,7 @@ def _default_loss(output: Any) -> Any:
 def calibrate(
     model: Any, example_input: Any, loss_fn: Callable[[Any], Any] | None = None, *,
     repeats: int = 3, warmup: int = 2, device: Any = None, precision: str = "32",
-    optimizer: str | None = None,
+    optimizer: str | None = None, back_to_back: bool | None = None,
 ) -> ModelProfile:
     """Measure a real ``torch.nn.Module`` where it would train and return its :class:`ModelProfile`.
 
@@ -55,8 +55,13 @@ def calibrate(
     needs the others for its lazy initialisation, cuDNN algorithm choice and caching
     allocator). Then the median of ``repeats`` timed forward+backward passes gives the
     time per sample and the backward share, each read after a device synchronize.
-    ``optimizer`` ("adam" or "sgd"): also time one optimizer step on copies of the
-    parameters (``optimizer_step_time``). The model's ``.grad`` fields are cleared afterwards.
+    ``back_to_back`` (default: on CUDA only) then times the passes as a training loop runs
+    them, ``repeats`` of them between two synchronizes, and that gives the time per
+    sample: the host queues a pass while the device still runs the one before, which
+    a synchronize around every pass (forward and backward apart) would serialise. On
+    the CPU both are the same. ``optimizer`` ("adam" or "sgd"): also time one optimizer
+    step on copies of the parameters (``optimizer_step_time``; back to back as well).
+    The model's ``.grad`` fields are cleared afterwards.
     A model with transformer blocks the ``tp`` strategy can split also gets the ``tp_*``
     fields (:func:`paratrain.plan.tensor.tensor_parallel_fields`, ``repeats`` more forwards).
     """
@@ -133,10 +138,15 @@ def calibrate(
             if i >= warmup:  # the first passes warm caches up; pass 0 carries the hook overhead
                 fwd_times.append(t1 - t0)
                 total_times.append(t2 - t0)
-    opt_time = _optimizer_step_time(params, optimizer, now, warmup, repeats) if optimizer else 0.0
-    model.zero_grad(set_to_none=True)
+    if back_to_back is None:
+        back_to_back = device.type == "cuda"
+    opt_time = _optimizer_step_time(params, optimizer, now, warmup, repeats,
+                                    back_to_back=back_to_back) if optimizer else 0.0
     total = max(statistics.median(total_times), 1e-9)
     backward_fraction = min(1.0, max(0.0, 1 - statistics.median(fwd_times) / total))
+    if back_to_back:
+        total = max(_back_to_back(model, forward, now, repeats), 1e-9)
+    model.zero_grad(set_to_none=True)
     # Pipeline stages are cut between leaf modules that own parameters (Conv, Linear, ...).
     layers = sum(1 for m in model.modules()
                  if not list(m.children()) and any(True for _ in m.parameters(recurse=False)))
@@ -174,10 +184,25 @@ def _moved(value: Any, device: Any, dtype: Any) -> Any:
     return value.to(dtype) if dtype is not None and value.is_floating_point() else value
 
 
+def _back_to_back(model: Any, forward: Callable[[], Any], now: Callable[[], float],
+                  passes: int) -> float:
+    """Seconds per forward+backward pass, ``passes`` of them between two clock reads
+    (each read synchronizes): what a training loop's step computes in."""
+    import torch
+
+    with torch.enable_grad():
+        t0 = now()
+        for _ in range(passes):
+            model.zero_grad(set_to_none=True)
+            forward().backward()
+        return (now() - t0) / passes
+
+
 def _optimizer_step_time(params: list, name: str, now: Callable[[], float], warmup: int,
-                         repeats: int) -> float:
+                         repeats: int, *, back_to_back: bool = False) -> float:
     """Median seconds of one optimizer step on copies of ``params`` (their grads included),
-    so the measured model's parameters stay exactly as they were."""
+    so the measured model's parameters stay exactly as they were; ``back_to_back``: the
+    mean of ``repeats`` steps between two clock reads instead."""
     import torch
 
     copies = []
@@ -188,12 +213,17 @@ def _optimizer_step_time(params: list, name: str, now: Callable[[], float], warm
     opt = torch.optim.Adam(copies, lr=1e-3) if name == "adam" else \
         torch.optim.SGD(copies, lr=1e-3, momentum=0.9)
     samples = []
-    for i in range(warmup + repeats):
+    for i in range(warmup + (0 if back_to_back else repeats)):
         t0 = now()
         opt.step()
         t1 = now()
         if i >= warmup:
             samples.append(t1 - t0)
+    if back_to_back:
+        t0 = now()
+        for _ in range(repeats):
+            opt.step()
+        return (now() - t0) / repeats
     return statistics.median(samples)
 
 
