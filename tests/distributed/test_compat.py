@@ -139,3 +139,15 @@ def test_transposed_linear_style_splits_conv1d_as_torch_splits_a_linear():
         out, reference = result["out"]
         assert_gradients_within({"out": out}, {"out": reference})  # same bound: one sum
         assert_gradients_within(*result["grads"])
+
+
+def test_schedule_actions_read_torchs_plan_without_a_process_group():
+    plan = _compat.schedule_actions("ScheduleZBVZeroBubble", 2, 4, [0, 3])
+    assert plan[0][0] == ("F", 0, 0) and {s for _, s, _ in plan[0]} == {0, 3}
+    assert {k for acts in plan.values() for k, _, _ in acts} == {"F", "I", "W"}
+    dual = _compat.schedule_actions("ScheduleDualPipeV", 2, 4, [0, 3])  # overlaps split
+    assert sum(k == "F" for acts in dual.values() for k, _, _ in acts) == 4 * 4
+    with pytest.raises(ValueError):  # torch's own refusal
+        _compat.schedule_actions("ScheduleDualPipeV", 2, 3, [0, 3])
+    with pytest.raises(RuntimeError, match="lacks torch.distributed.pipelining.ScheduleNone"):
+        _compat.schedule_actions("ScheduleNone", 2, 4, [0])
