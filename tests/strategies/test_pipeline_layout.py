@@ -166,7 +166,7 @@ def pipeline_worker(rank, world_size, schedule):
 @pytest.mark.slow
 def test_gpt_pipeline_matches_single_process_with_every_schedule():
     ref_params, ref_losses, bound = train("single", 4, None)
-    for schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv"):
         results = spawn(pipeline_worker, 2, schedule)
         seen = set()
         for params, losses, _ in results:
@@ -184,5 +184,8 @@ def test_gpt_pipeline_matches_single_process_with_every_schedule():
         if schedule == "interleaved_1f1b":
             # 4 one-block stages in a loop: rank 0 runs stages 0 and 2.
             assert blocks == [[0, 2], [1, 3]]
+        elif schedule == "zbv":
+            # 4 one-block stages in a V: rank 0 runs stages 0 and 3 (embedding and head).
+            assert blocks == [[0, 3], [1, 2]]
         else:
             assert all(b == list(range(b[0], b[-1] + 1)) for b in blocks)

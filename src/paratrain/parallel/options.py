@@ -19,8 +19,13 @@ STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
           "embedding_rowwise")
 """Styles a tensor-parallel plan may name (see :mod:`paratrain.strategies.tensor.plan`)."""
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-"""Pipeline schedules."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
+"""Pipeline schedules (see :mod:`paratrain.strategies.pipeline.schedules`)."""
+
+MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": "looped", "interleaved_zero_bubble": "looped",
+                         "zbv": "v", "dualpipev": "v"}
+"""Schedules with several stages per rank: looped (rank ``r`` of ``p`` runs ``r, r + p,
+...``) or in a V (two stages: ``r`` and ``2p - 1 - r``)."""
 
 CONTEXT_METHODS = ("ring", "all_to_all")
 """How attention is computed over a sequence split across the cp ranks."""
@@ -132,36 +137,49 @@ class Pipeline:
     """
 
     schedule: str = "1f1b"
-    """``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (same gradients; 1F1B keeps fewer
-    activations alive; interleaved 1F1B runs several smaller stages per rank, in a loop,
-    so the pipeline fills and drains faster)."""
+    """``gpipe``, ``1f1b`` (the default), ``interleaved_1f1b``, ``interleaved_zero_bubble``,
+    ``zbv`` or ``dualpipev`` (``-`` may stand for ``_``). Same gradients; 1F1B keeps fewer
+    activations alive than GPipe; the interleaved schedules run several smaller stages
+    per rank in a loop, so the pipeline fills and drains faster; the zero-bubble ones
+    (``interleaved_zero_bubble``, ``zbv``, ``dualpipev``) also split each backward into the
+    input's and the weights' part and fill the bubble with the latter; ``zbv`` and
+    ``dualpipev`` place two stages per rank in a V."""
 
     microbatches: int = 4
     """Micro-batches per step. More shrinks the bubble but makes each one smaller; a batch
-    that does not divide uses the largest divisor below this number."""
+    that does not divide uses the largest divisor below this number (that the schedule
+    can run: ``dualpipev`` needs at least ``2 pp``)."""
 
     stages_per_rank: int | None = None
-    """Stages each rank runs: with ``interleaved_1f1b`` 2 or more (default 2), else 1.
-    Rank ``r`` of ``p`` runs stages ``r, r + p, r + 2p, ...``."""
+    """Stages each rank runs: with ``interleaved_1f1b`` or ``interleaved_zero_bubble`` 2 or
+    more (default 2), rank ``r`` of ``p`` running ``r, r + p, r + 2p, ...``; with ``zbv``
+    and ``dualpipev`` 2 (rank ``r`` runs ``r`` and ``2p - 1 - r``); else 1."""
 
     split_points: tuple[int, ...] | None = None
     """Where stages 1.. begin (``nn.Sequential`` children, or blocks of a model with a
     ``pipeline_layout()``); None balances the stages."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.schedule, str) and "-" in self.schedule:
+            object.__setattr__(self, "schedule", self.schedule.replace("-", "_"))
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, "
+                             f"got {self.schedule!r}")
         if (not isinstance(self.microbatches, int) or isinstance(self.microbatches, bool)
                 or self.microbatches < 1):
             raise ValueError(f"microbatches must be an integer >= 1, got {self.microbatches!r}")
-        per_rank = self.stages_per_rank
+        per_rank, placement = self.stages_per_rank, MULTI_STAGE_SCHEDULES.get(self.schedule)
         if per_rank is not None and (not isinstance(per_rank, int) or per_rank < 1):
             raise ValueError(f"stages_per_rank must be an integer >= 1, got {per_rank!r}")
-        if self.schedule == "interleaved_1f1b" and per_rank == 1:
-            raise ValueError("schedule 'interleaved_1f1b' needs stages_per_rank >= 2; "
+        if placement == "looped" and per_rank == 1:
+            raise ValueError(f"schedule '{self.schedule}' needs stages_per_rank >= 2; "
                              "use schedule '1f1b' for one stage per rank")
-        if self.schedule != "interleaved_1f1b" and per_rank not in (None, 1):
-            raise ValueError(f"stages_per_rank={per_rank} needs schedule 'interleaved_1f1b'")
+        if placement == "v" and per_rank not in (None, 2):
+            raise ValueError(f"schedule '{self.schedule}' runs exactly 2 stages per rank "
+                             f"(a V), got stages_per_rank={per_rank}")
+        if placement is None and per_rank not in (None, 1):
+            raise ValueError(f"stages_per_rank={per_rank} needs schedule 'interleaved_1f1b' "
+                             "or 'interleaved_zero_bubble'")
         points = self.split_points
         if points is not None and (not all(isinstance(p, int) and p > 0 for p in points)
                                    or list(points) != sorted(set(points))):
@@ -171,7 +189,7 @@ class Pipeline:
     @property
     def num_local_stages(self) -> int:
         """Stages each rank runs."""
-        return self.stages_per_rank or (2 if self.schedule == "interleaved_1f1b" else 1)
+        return self.stages_per_rank or (2 if self.schedule in MULTI_STAGE_SCHEDULES else 1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,8 +22,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.distributed._compat import keep_forwards_only
 from paratrain.strategies.pipeline.deferred import Deferred, Node, deferred_output, loss_chain
 from paratrain.strategies.pipeline.outputs import OutputSpec
+from paratrain.strategies.pipeline.schedules import (
+    SCHEDULE_CLASSES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    microbatch_refusal,
+    stage_rank,
+)
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.bool, torch.uint8)
@@ -42,16 +50,18 @@ class _Forward:
     """The output's shape, when the strategy knows it (a Hugging Face model's logits)."""
 
 
-def microbatches_for(batch_size: int, requested: int, *, looped_ranks: int = 0) -> int:
-    """The largest number of equal micro-batches <= ``requested`` that divides the batch.
-
-    ``looped_ranks``: an interleaved schedule over that many ranks, which also needs the
-    micro-batches to form equal rounds (``m % max(1, m // ranks) == 0``).
-    """
-    def fits(m: int) -> bool:
-        return batch_size % m == 0 and (not looped_ranks or m % max(1, m // looped_ranks) == 0)
-
-    return max(m for m in range(1, min(requested, batch_size) + 1) if fits(m))
+def microbatches_for(batch_size: int, requested: int, *, schedule: str = "gpipe",
+                     num_ranks: int = 1) -> int:
+    """The largest number of equal micro-batches <= ``requested`` that divides the batch
+    and that ``schedule`` runs over ``num_ranks`` ranks (an interleaved schedule needs equal
+    rounds, ``m % max(1, m // ranks) == 0``; ``dualpipev`` at least ``2 ranks``)."""
+    fits = [m for m in range(1, min(requested, batch_size) + 1)
+            if batch_size % m == 0 and microbatch_refusal(schedule, m, num_ranks) is None]
+    if not fits:
+        raise ValueError(f"a batch of {batch_size} has no number of micro-batches up to "
+                         f"{requested} that schedule '{schedule}' runs over {num_ranks} ranks "
+                         "(dualpipev: at least 2 x pp); use a larger batch or another schedule")
+    return max(fits)
 
 
 _SCALING = {"mul", "multiply", "__mul__", "__rmul__", "div", "divide", "true_divide",
@@ -99,11 +109,11 @@ class PipelineModule(nn.Module):
         chunks: the stages this rank runs, sharing their layers with ``stage_module``
             (one: ``stage_module`` itself; several under an interleaved schedule).
         stage_indices: the chunks' positions, 0 .. num_stages - 1 (rank ``r`` of ``p``
-            runs ``r, r + p, ...``).
+            runs ``r, r + p, ...``, or ``r, 2p - 1 - r`` in a V).
         num_stages: stages in the whole pipeline (ranks x stages per rank).
         group: the process group of this pipeline (its rank ``i`` is stage ``i``).
         device: compute device.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: a name of :data:`~.schedules.SCHEDULE_CLASSES`.
         num_microbatches: micro-batches per step (fewer when the batch does not divide).
         sharded: the stage's forward communicates with other data-parallel ranks (FSDP),
             so evaluation runs each batch as one micro-batch: their evaluation batches
@@ -140,7 +150,8 @@ class PipelineModule(nn.Module):
         self.num_microbatches = num_microbatches
         self._schedules: dict[tuple, Any] = {}
         self._step: dict[str, Any] = {}
-        self._last_rank = dist.get_global_rank(group, (num_stages - 1) % self.num_ranks)
+        self._last_rank = dist.get_global_rank(
+            group, stage_rank(schedule, num_stages - 1, self.num_ranks))
 
     @property
     def is_first(self) -> bool:
@@ -169,34 +180,65 @@ class PipelineModule(nn.Module):
         return output if spec is None else spec.evaluation_output(output, labels)
 
     # -- schedules --------------------------------------------------------------
-    def _schedule(self, batch_size: int, num_microbatches: int, train: bool) -> Any:
-        from torch.distributed.pipelining import (
-            PipelineStage,
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
-        )
+    def _schedule_name(self, train: bool) -> str:
+        # Evaluation runs forwards only: any schedule of the same placement computes the
+        # same outputs; ZB-V runs any number of micro-batches (DualPipeV needs 2 pp).
+        if train or len(self._chunks) == 1:
+            return self.schedule_name
+        return "zbv" if self.schedule_name in V_SHAPED else "interleaved_1f1b"
 
+    def _schedule(self, batch_size: int, num_microbatches: int, train: bool) -> Any:
+        from torch.distributed import pipelining
+
+        name = self._schedule_name(train)
         # 1F1B needs at least as many micro-batches as stages; GPipe computes the same.
-        one_f_one_b = train and self.schedule_name == "1f1b" and num_microbatches >= self.num_ranks
+        one_f_one_b = train and name == "1f1b" and num_microbatches >= self.num_ranks
         key = (batch_size, num_microbatches, train, one_f_one_b)
         if key not in self._schedules:
-            stages = [PipelineStage(chunk, index, self.num_stages, self.device, group=self.group)
+            stages = [pipelining.PipelineStage(chunk, index, self.num_stages, self.device,
+                                               group=self.group)
                       for chunk, index in zip(self._chunks, self.stage_indices)]
             # scale_grads=False: the schedule would divide the *accumulated* gradients
             # by m; the loss of each micro-batch is divided instead (see _loss_fn).
             kwargs = {"n_microbatches": num_microbatches, "scale_grads": False,
                       "loss_fn": self._loss_fn if train else None}
             if len(stages) > 1:
-                self._schedules[key] = ScheduleInterleaved1F1B(stages, **kwargs)
+                if train and name in SPLIT_BACKWARD:
+                    self._refuse_compiled(name)
+                cls = getattr(pipelining, SCHEDULE_CLASSES[name], None)
+                if cls is None:
+                    raise ValueError(f"schedule '{name}' needs a torch with "
+                                     f"{SCHEDULE_CLASSES[name]}, torch {torch.__version__} "
+                                     "has none; choose another schedule")
+                schedule = cls(stages, **kwargs)
+                # torch runs a V schedule's backward actions without a loss too (and fails)
+                self._schedules[key] = (schedule if train or name not in V_SHAPED
+                                        else keep_forwards_only(schedule))
             else:
-                cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
+                cls = pipelining.Schedule1F1B if one_f_one_b else pipelining.ScheduleGPipe
                 self._schedules[key] = cls(stages[0], **kwargs)
         return self._schedules[key]
 
-    def _microbatches(self, batch_size: int) -> int:
-        looped = self.num_ranks if len(self._chunks) > 1 else 0
-        return microbatches_for(batch_size, self.num_microbatches, looped_ranks=looped)
+    def _refuse_compiled(self, name: str) -> None:
+        # compile replaces a module's forward on the instance (paratrain.compile); torch
+        # splits no compiled backward (an opaque RuntimeError mid-step). Every rank of the
+        # pipeline decides together, so none is left waiting for a refusing one.
+        compiled = [n or "the stage" for chunk in self._chunks
+                    for n, m in chunk.named_modules() if "forward" in vars(m)]
+        flag = torch.tensor([float(bool(compiled))], device=self.device)
+        if self.num_ranks > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item():
+            where = f" ({compiled[0]} here)" if compiled else ""
+            raise ValueError(f"schedule '{name}' splits each backward into the input's and "
+                             f"the weights' part, which torch cannot do on compiled "
+                             f"modules{where}; use compile=False or schedule "
+                             "'interleaved_1f1b'")
+
+    def _microbatches(self, batch_size: int, train: bool = True) -> int:
+        return microbatches_for(batch_size, self.num_microbatches,
+                                schedule=self._schedule_name(train),
+                                num_ranks=self.num_ranks)
 
     def _batch_size(self, args: tuple) -> int:
         for value in args:
@@ -309,7 +351,7 @@ class PipelineModule(nn.Module):
     @torch.no_grad()
     def _forward_only(self, args: tuple, kwargs: dict) -> torch.Tensor:
         batch_size = self._batch_size(args)
-        m = 1 if self.sharded else self._microbatches(batch_size)
+        m = 1 if self.sharded else self._microbatches(batch_size, train=False)
         schedule = self._schedule(batch_size, m, train=False)
         output = schedule.step(**self._inputs(args, kwargs, batch_size, m))
         if self.num_ranks == 1:

@@ -3,10 +3,12 @@
 The model's layers are split into stages, one (or, interleaved, several) per rank of the
 ``pipeline`` axis. A batch is split into micro-batches that flow through the stages under
 a ``torch.distributed.pipelining`` schedule: GPipe (all forwards, then all backwards),
-1F1B (one forward, one backward in the steady state, so fewer activations are alive) or
-interleaved 1F1B (``v`` smaller stages per rank, in a loop). Stages idle while the
+1F1B (one forward, one backward in the steady state, so fewer activations are alive),
+interleaved 1F1B (``v`` smaller stages per rank, in a loop) or the zero-bubble schedules
+(interleaved zero bubble, ZB-V, DualPipeV: :mod:`.schedules`). Stages idle while the
 pipeline fills and drains: the bubble is ``(p - 1) / (m + p - 1)`` of the step for ``p``
-stages and ``m`` micro-batches, ``(p - 1) / (v m + p - 1)`` interleaved.
+stages and ``m`` micro-batches, ``(p - 1) / (v m + p - 1)`` interleaved; :mod:`.bubble`
+computes it for every schedule from torch's own plan.
 
 The user's loop does not change: see :mod:`.deferred` for how
 ``loss = F.cross_entropy(model(x), y); run.backward(loss)`` becomes one schedule step.
@@ -44,6 +46,12 @@ from paratrain.strategies.pipeline.adapted import (
 from paratrain.strategies.pipeline.layout import StageParts, layout_of, split_model, stage_layers
 from paratrain.strategies.pipeline.module import PipelineModule
 from paratrain.strategies.pipeline.outputs import OutputSpec
+from paratrain.strategies.pipeline.schedules import (
+    check_microbatches,
+    microbatch_refusal,
+    stage_indices,
+    stage_rank,
+)
 from paratrain.strategies.pipeline.ties import TiedCopies
 
 __all__ = ["PipelineStages", "check_stage_options"]
@@ -59,8 +67,13 @@ def check_stage_options(mesh: ParallelMesh, options: Pipeline, *, sharding: Shar
         raise ValueError("sequence_parallel and loss_parallel are not supported on pipeline "
                          "stages; leave them out of the tensor options")
     if options.num_local_stages > 1 and (d.data_parallel_degree > 1 or d.tensor_degree > 1):
-        raise ValueError("schedule 'interleaved_1f1b' with replicated, sharded or "
+        raise ValueError(f"schedule '{options.schedule}' with replicated, sharded or "
                          "tensor-parallel stages is not supported yet; use schedule '1f1b'")
+    p = d.pipeline_degree
+    # The runtime takes the largest count <= microbatches that the batch divides and the
+    # schedule runs: refuse now only when no count up to the requested one can run.
+    if all(microbatch_refusal(options.schedule, m, p) for m in range(1, options.microbatches + 1)):
+        check_microbatches(options.schedule, options.microbatches, p)
     if d.context_degree > 1 or d.expert_degree > 1:
         raise ValueError("a pipeline with cp or ep is not supported yet; drop pp, or cp/ep")
 
@@ -88,10 +101,10 @@ class PipelineStages:
         return self.mesh.degrees.pipeline_degree
 
     def indices(self) -> list[int]:
-        """This rank's stages. Looped placement (as torch.distributed.pipelining expects):
-        rank r runs stages r, r + p, r + 2p, ..."""
-        return [self.mesh.pipeline_rank + k * self.ranks
-                for k in range(self.options.num_local_stages)]
+        """This rank's stages, placed as torch's schedule expects: rank r runs stages r,
+        r + p, r + 2p, ... (looped), or r and 2p - 1 - r (a V: zbv, dualpipev)."""
+        return stage_indices(self.options.schedule, self.mesh.pipeline_rank, self.ranks,
+                             self.options.num_local_stages)
 
     def split(self, model: nn.Module) -> StageParts:
         """``model`` cut into stages; this rank's parts (a collective for a measured split)."""
@@ -116,7 +129,9 @@ class PipelineStages:
 
     def tie(self, parts: StageParts, split: frozenset[str]) -> None:
         """Agree on the parameters tied across stages (a collective: builds their groups)."""
-        self.ties = TiedCopies(parts.ties, self.mesh, split=split, device=self.device)
+        self.ties = TiedCopies(parts.ties, self.mesh, split=split, device=self.device,
+                               rank_of=partial(stage_rank, self.options.schedule,
+                                               num_ranks=self.ranks))
 
     def wrap(self, parts: StageParts) -> PipelineModule:
         """The stage module the run trains (its forward defers to the schedule)."""

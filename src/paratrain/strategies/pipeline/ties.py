@@ -13,6 +13,7 @@ holding rank enters it.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,14 +31,16 @@ class TiedCopies:
 
     Args:
         ties: every tie across stages of the split (``StageParts.ties``).
-        mesh: the layout; stage ``s`` runs on pipeline rank ``s % pipeline_degree``.
+        mesh: the layout.
         split: the modules this rank's tensor-parallel plan splits.
         device: where the ranks agree whether a tie is split.
+        rank_of: the pipeline rank that runs a stage; None: ``s % pipeline_degree``.
     """
 
     def __init__(self, ties: tuple[Tie, ...], mesh: ParallelMesh, *,
                  split: frozenset[str] = frozenset(),
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 rank_of: Callable[[int], int] | None = None) -> None:
         degrees = mesh.degrees
         if ties and degrees.tensor_degree > 1:
             # A tied tensor the plan splits on one stage (a head) is whole on the other
@@ -51,10 +54,11 @@ class TiedCopies:
                 raise ValueError(tie_refusal(ties[0], "which tensor parallel splits "
                                                       "differently"))
         p = degrees.pipeline_degree
+        rank_of = rank_of or (lambda stage: stage % p)
         self._ties: list[tuple[tuple[str, ...], tuple[int, ...]]] = []
         for tie in ties:
-            ranks = tuple(sorted({stage % p for _, stage in tie}))
-            if len(ranks) > 1:  # stages on one rank (interleaved) share one tensor
+            ranks = tuple(sorted({rank_of(stage) for _, stage in tie}))
+            if len(ranks) > 1:  # stages on one rank (interleaved, a V) share one tensor
                 self._ties.append((tuple(name for name, _ in tie), ranks))
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for ranks in sorted({ranks for _, ranks in self._ties}):
