@@ -61,6 +61,11 @@ class CompileOptions:
     forward; ``auto`` is ``blocks`` for a model with repeated blocks, else ``model``.
     Sharded layouts always compile per FSDP unit."""
 
+    optimizer: bool | None = None
+    """Compile the optimizer step too (:mod:`paratrain.compiled_step`), with the same
+    backend and mode: with CUDA graphs the whole step is then graphs. None: exactly when
+    CUDA graphs are on."""
+
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"compile['mode'] must be one of {_MODES}, got {self.mode!r}")
@@ -75,6 +80,9 @@ class CompileOptions:
                              f"got {self.backend!r}")
         if not isinstance(self.options, dict):
             raise ValueError(f"compile['options'] must be a dict, got {self.options!r}")
+        if not (self.optimizer is None or isinstance(self.optimizer, bool)):
+            raise ValueError(f"compile['optimizer'] must be None, True or False, "
+                             f"got {self.optimizer!r}")
         if self.scope not in SCOPES:
             raise ValueError(f"compile['scope'] must be one of {SCOPES}, got {self.scope!r}")
         if self.mode not in (None, "default") and self.options:
@@ -102,8 +110,13 @@ class CompileOptions:
         """Whether the compiled graphs are recorded as CUDA graphs."""
         return self.mode in CUDA_GRAPH_MODES or bool(self.options.get("triton.cudagraphs"))
 
+    @property
+    def compiles_optimizer(self) -> bool:
+        """Whether the optimizer step is compiled: ``optimizer``, else with CUDA graphs."""
+        return self.cuda_graphs if self.optimizer is None else self.optimizer
+
     def without_cuda_graphs(self) -> CompileOptions:
-        """The same compilation, without CUDA graphs."""
+        """The same compilation, without CUDA graphs (an explicit ``optimizer`` kept)."""
         mode = "max-autotune-no-cudagraphs" if self.mode == "max-autotune" else self.mode
         if mode == "reduce-overhead":
             mode = None

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from paratrain import compile as compiling
+from paratrain.compiled_step import CompiledOptimizerStep
 from paratrain.data.loader import DataCursor, ShardedSampler
 from paratrain.run import misuse
 from paratrain.run.build import guard_peers
@@ -44,6 +45,7 @@ class TrainStep:
             policy=self.config.nan, agree=self.strategy.agree_flags, rank=self.rank,
             device=self.device, scaled=self.precision.scaler is not None,
             records=self.state.nonfinite_batches, warn=self.print)
+        self._compiled_step: CompiledOptimizerStep | None = None  # compile['optimizer']
 
     def _bar_rates(self, samples_per_s: float) -> dict[str, float | None]:
         """The progress bar's rates (:class:`~paratrain.run.flops.Throughput`) and the
@@ -65,6 +67,9 @@ class TrainStep:
             self.print(fallback)
         strategy.configure_compile(options)
         self._compile = options
+        if self._compiled_step is None:
+            self._compiled_step = CompiledOptimizerStep.configure(
+                options, strategy=self.strategy, print_fn=self.print)
         self._compile_clock.enabled = True
 
     def _check_static_batches(self, sampler: ShardedSampler, batch_size: int) -> None:
@@ -102,12 +107,16 @@ class TrainStep:
             self._finite.saw_loss(loss)
         finally:
             self._count_flops_done()
+        if self._compiled_step is None:  # else the first optimizer step compiles too
+            self._stop_compile_clock()
+        self._step.close_no_sync()
+
+    def _stop_compile_clock(self) -> None:
         if self._compile_clock.stop():
             # The compiling step is reported as compile_s, not in the epoch's samples/s.
             loader = self._train_loader
             self._epoch_start = (loader.position if loader is not None else 0,
                                  self._compile_clock.stopped_at)
-        self._step.close_no_sync()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """End a micro-step; on the last one of an accumulation group, update the weights.
@@ -162,9 +171,11 @@ class TrainStep:
         step = self.state.global_step + 1
         # nan="skip": a non-finite step is not applied (grads zeroed, schedulers held).
         skip = self._finite.before_update(step, self._train_loader)
-        stepped = not skip and self.precision.step(
-            optimizer, lambda: self.strategy.optimizer_step(optimizer))
+        step_with = self._compiled_step or self.strategy.optimizer_step
+        stepped = not skip and self.precision.step(optimizer, lambda: step_with(optimizer))
         self._finite.after_update(stepped, step)
+        if self._compiled_step is not None and stepped:  # the first step compiled it
+            self._stop_compile_clock()
         optimizer.zero_grad(set_to_none=True)
         if stepped:
             for scheduler in self.state.schedulers:
