@@ -185,9 +185,12 @@ def counted_backend(compiler: Callable[..., Any]) -> Callable[..., Any]:
     """``compiler`` whose graphs add their FLOPs to the step being counted (for MFU).
 
     See :mod:`paratrain.flop_counter`: a graph is counted once on its fake inputs; each
-    call during a counted micro-step adds that count.
+    call during a counted micro-step adds that count. ``backend.compiled_at`` holds when
+    each graph was compiled (``time.perf_counter()``): the recompiles of
+    :meth:`CompileClock.report`.
     """
     def backend(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        backend.compiled_at.append(time.perf_counter())  # type: ignore[attr-defined]
         counts = graph_flops(graph, example_inputs)
         compiled = compiler(graph, example_inputs)
         boxed = getattr(compiled, "_boxed_call", False)
@@ -206,6 +209,7 @@ def counted_backend(compiler: Callable[..., Any]) -> Callable[..., Any]:
         run._boxed_call = boxed  # type: ignore[attr-defined]
         return run
 
+    backend.compiled_at = []  # type: ignore[attr-defined]
     return backend
 
 
@@ -281,3 +285,11 @@ class CompileClock:
         self.stopped_at = time.perf_counter()
         self.seconds = self.stopped_at - self._start
         return True
+
+    def report(self, options: CompileOptions | None) -> dict[str, float | int | None]:
+        """``compile_s``, the ``graphs`` compiled so far and the ``recompiles`` among
+        them (compiled after the first step: a new shape, a guard that failed)."""
+        backend = None if options is None else options.__dict__.get("_counted_backend")
+        times = getattr(backend, "compiled_at", [])
+        later = [t for t in times if self.seconds is not None and t > self.stopped_at]
+        return {"compile_s": self.seconds, "graphs": len(times), "recompiles": len(later)}

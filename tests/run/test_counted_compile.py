@@ -190,3 +190,20 @@ def test_a_model_compiled_by_the_script_stays_compiled_and_mfu_is_na(capsys):
     assert log.calls == SAMPLES // BATCH  # compiled from the first step on
     assert flops is None
     assert "compiled before prepare, so MFU is n/a" in capsys.readouterr().out
+
+
+def test_epoch_stats_report_graphs_and_recompiles():
+    log = GraphLog()
+    run = paratrain.Run(accelerator="cpu", progress=False, seed=2,
+                        compile={"backend": log.backend()})
+    model = TinyLM()
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    # 32 samples in batches of 5: the last batch (2) is a new shape, compiled again.
+    for _ in run.epochs(1):
+        for (batch,) in run.loader(tokens(), batch_size=5):
+            run.backward(F.cross_entropy(model(batch).flatten(0, 1), batch.flatten()))
+            run.step(optimizer)
+    stats = run.epoch_stats[-1]
+    run.close()
+    assert stats["compile_s"] > 0
+    assert stats["graphs"] == log.compiles == 2 and stats["recompiles"] == 1

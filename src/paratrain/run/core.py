@@ -309,14 +309,15 @@ class Run(TrainStep, Metrics, Pretrained):
 
         Also ``tokens_per_s`` (with ``tokens_per_sample``), ``tflops_per_device``
         once the first step's FLOPs are counted, and ``mfu`` (None when n/a). With
-        ``compile``, ``compile_s`` is the first step's time, which the rates leave out.
+        ``compile``, ``compile_s`` is the first step's time, which the rates leave out,
+        ``graphs`` the graphs compiled so far and ``recompiles`` those after the first step.
         """
         start_offset, start_time = self._epoch_start
         elapsed = time.perf_counter() - start_time
         loader, counted = self._train_loader, self._samples.in_epoch
         samples = counted if counted or loader is None else loader.position - start_offset
         speed = samples / elapsed if elapsed > 0 else 0.0
-        compiled = {"compile_s": self._compile_clock.seconds} if self._compile_clock.enabled \
+        compiled = self._compile_clock.report(self._compile) if self._compile_clock.enabled \
             else {}
         return {"samples": samples, "seconds": elapsed, "samples_per_s": speed,
                 **self.throughput.rates(speed), **compiled}
