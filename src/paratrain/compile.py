@@ -2,11 +2,14 @@
 
 The strategy applies the compiler itself (the
 :class:`~paratrain.strategies.capabilities.Compiles` capability) because where it goes
-depends on the wrapping: inside DDP (so that Dynamo's DDP optimiser splits the graph
-at the gradient buckets), on each block before FSDP shards it, per pipeline stage.
-Only the modules' ``forward`` is compiled: module hooks (FSDP's all-gathers, DDP's
-bookkeeping) and the run's own forward wrapper stay outside the graph, and parameter
-names (hence checkpoints) are those of the eager model.
+depends on the wrapping: per repeated block or whole (``scope``) inside DDP, on each
+block before FSDP shards it, per pipeline stage. The modules' ``forward`` is compiled
+(and, with CUDA graphs or ``optimizer=True``, the optimizer step:
+:mod:`paratrain.compiled_step`): module hooks (FSDP's all-gathers, DDP's bookkeeping)
+and the run's own forward wrapper stay outside the graph, and parameter names (hence
+checkpoints) are those of the eager model. Every graph goes through
+:func:`counted_backend`, which counts its FLOPs for MFU without a dispatch mode around
+the compiled call (:mod:`paratrain.flop_counter`).
 
 Example:
     >>> CompileOptions.from_config({"mode": "reduce-overhead"}).cuda_graphs
