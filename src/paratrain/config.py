@@ -124,8 +124,10 @@ class RunConfig:
 
     compile: bool | dict[str, Any] = False
     """``torch.compile`` the model in ``run.prepare``: True, or a dict of its options
-    (``mode``, ``fullgraph``, ``dynamic``, ``backend``, ``options``). The strategy places
-    it (see ``docs/performance.md``); ``{"mode": "reduce-overhead"}`` adds CUDA graphs."""
+    (``mode``, ``fullgraph``, ``dynamic``, ``backend``, ``options``, ``scope``: per block
+    or whole, ``optimizer``: the optimizer step too). The strategy places it (see
+    ``docs/performance.md``); ``{"mode": "reduce-overhead"}`` adds CUDA graphs of the
+    whole step."""
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any], *,
