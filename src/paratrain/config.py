@@ -66,6 +66,13 @@ class RunConfig:
     line, training goes on). Under ``16-mixed`` the loss scaler skips such steps itself
     and 8 in a row stop the run. See ``docs/precision.md``."""
 
+    stragglers: Any = True
+    """Name a rank slower than the others (in forward compute or data wait) in one line:
+    True (every 50 steps, 1.2x the median for 3 checks), False or None (off), or a dict
+    of :class:`paratrain.reliability.stragglers.Stragglers`' fields (``check_every``,
+    ``margin``, ``patience``, ``min_share``). Multi-rank jobs where every rank takes every
+    step; see docs/reliability.md."""
+
     checkpoint_activations: Any = None
     """Submodules whose activations are recomputed in backward to save memory: a
     module class, a class name, a dotted-path glob, a predicate ``fn(module) -> bool``
@@ -186,6 +193,9 @@ class RunConfig:
             raise ValueError(f"accumulate must be an integer >= 1, got {self.accumulate!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        from paratrain.reliability.stragglers import Stragglers
+
+        object.__setattr__(self, "stragglers", Stragglers.parse(self.stragglers))
         from paratrain.activation_checkpointing import validate_spec
 
         validate_spec(self.checkpoint_activations)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -196,6 +197,8 @@ class DistributedLoader:
         self.local_batch: Any = None
         """This rank's part of each batch (the strategy's ``local_batch``), or None."""
         self.started = -1  # when iteration last started (_ITERATIONS); -1: never
+        self.wait_s = 0.0
+        """Seconds the loop waited in ``next`` for batches (read by the straggler check)."""
         self.retired: str | None = None  # why iterating it is refused, once a run replaced it
 
     @property
@@ -232,12 +235,29 @@ class DistributedLoader:
             (self.sampler.seed * 1_000_003 + cursor.epoch) * 4099 + self.sampler.rank
         )
         local = self.local_batch
-        for index, batch in enumerate(self._device_batches()):
+        for index, batch in enumerate(self._timed(self._device_batches())):
             self.batches_in_epoch = index + 1
             yield batch if local is None else local(batch)
         # The epoch is exhausted; the position now reads as the end of the epoch.
         self.sampler.cursor.offset = self.sampler.total_size
         self.batches_in_epoch = 0
+
+    def take_wait(self) -> float:
+        """The seconds waited for batches since the last call."""
+        waited, self.wait_s = self.wait_s, 0.0
+        return waited
+
+    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, adding the time each takes to arrive to ``wait_s`` (two clock reads)."""
+        clock = time.perf_counter
+        while True:
+            start = clock()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.wait_s += clock() - start
+            yield batch
 
     def _device_batches(self) -> Iterator[Any]:
         """This epoch's remaining batches on ``device``; subclasses change how they are built."""

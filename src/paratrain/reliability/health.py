@@ -178,7 +178,8 @@ class HealthMonitor:
             # Gloo and CPU tensors: no device sync, and its own tag sequence.
             self.group = dist.new_group(backend="gloo")
 
-    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-gather a small CPU tensor over the health group: one row per rank."""
         parts = [torch.empty_like(tensor) for _ in range(self.topology.world_size)]
         dist.all_gather(parts, tensor, group=self.group)
         return torch.stack(parts)
@@ -190,9 +191,9 @@ class HealthMonitor:
         """Gather host addresses and config fingerprints; HealthError if any rank differs."""
         if self.group is None:
             return
-        self.hosts = [_decode(b) for b in self._gather(_encode(self.hosts[0]))]
+        self.hosts = [_decode(b) for b in self.gather(_encode(self.hosts[0]))]
         names, fingerprint = config_fingerprint(config)
-        rows = self._gather(fingerprint).tolist()
+        rows = self.gather(fingerprint).tolist()
         found = first_divergent(rows)
         if found is None:
             return
@@ -215,7 +216,7 @@ class HealthMonitor:
         if self.group is None:
             return
         fingerprint = model_fingerprint(model)
-        hashes = self._gather(torch.tensor([field_hash(fingerprint)], dtype=torch.int64))
+        hashes = self.gather(torch.tensor([field_hash(fingerprint)], dtype=torch.int64))
         found = first_divergent(hashes.tolist())
         if found is None:
             return
@@ -235,7 +236,7 @@ class HealthMonitor:
             return
         state = torch.tensor([self.local_steps, global_step, epoch, offset, _collective_sequence()],
                              dtype=torch.int64)
-        rows = self._gather(state).tolist()
+        rows = self.gather(state).tolist()
         found = first_divergent(rows)
         if found is None:
             return

@@ -33,7 +33,8 @@ from paratrain.data.loader import DistributedLoader, ShardedSampler, check_map_s
 from paratrain.distributed import _compat
 from paratrain.distributed.process_group import destroy_process_group
 from paratrain.reliability import signals
-from paratrain.run import collective_calls, misuse
+from paratrain.reliability.stragglers import StragglerDetector
+from paratrain.run import collective_calls, hooks, misuse
 from paratrain.run.accumulation import StepState
 from paratrain.run.build import build_parts
 from paratrain.run.hooks import AfterStep, FaultHook, HealthHook, PeriodicSave, StopOnSignal
@@ -69,6 +70,7 @@ class Run(TrainStep, Metrics, Pretrained):
         parallel: Any = None, sync_batchnorm: bool = False, precision: str = "32",
         float8: Any = None, tf32: bool = True,
         accumulate: int = 1, max_grad_norm: float | None = None, nan: str = "stop",
+        stragglers: Any = True,
         checkpoint_activations: Any = None, seed: int = 0, timeout_s: float | None = None,
         accelerator: str = "auto", checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None, keep_checkpoints: int = 2,
@@ -126,9 +128,14 @@ class Run(TrainStep, Metrics, Pretrained):
         self._train_loader: DistributedLoader | None = None
         self._epoch_start = (0, time.perf_counter())
         self._samples = SampleCounter()  # of user loaders iterated through progress()
+        self._stragglers = StragglerDetector.for_run(  # only observes: same losses
+            self.config.stragglers, health=self._health, device=self.device,
+            lockstep=self.strategy.data_parallel_size == self.world_size,
+            print_fn=self.print, log=self.reporter.log)
         self._after_step: list[AfterStep] = [
             FaultHook(parts.faults),
             HealthHook(self._health),
+            hooks.StragglerHook(self._stragglers, lambda: self._train_loader),
             PeriodicSave(self.config.checkpoint_every, self.save),
             # A stop exits right after: its checkpoint is written before save returns.
             StopOnSignal(self._stop, functools.partial(self.save, wait=True), self.close,
@@ -213,6 +220,7 @@ class Run(TrainStep, Metrics, Pretrained):
             self.close()
             raise SystemExit(0)
         self._wrap_forward(model)
+        self._stragglers.watch(model)
         self._router_load = RouterLoad.attach(model) or self._router_load
         self.state.register(model, optimizer, scheduler)
         self._optimizers.record(before, self.strategy.unwrap(model), given, optimizer)
@@ -298,7 +306,8 @@ class Run(TrainStep, Metrics, Pretrained):
                                                       reduce=self.strategy.loss_size > 1)
                       if self._router_load is not None else {})
             stats = {"epoch": epoch, **self.epoch_throughput(), **strategy_metrics(self.strategy),
-                     **routed, "skipped_steps": self._finite.take_epoch_skipped()}
+                     **routed, "skipped_steps": self._finite.take_epoch_skipped(),
+                     **self._stragglers.take_epoch()}
             self.epoch_stats.append(stats)
             self.reporter.log(stats, step=self.global_step)
             self.state.epoch = epoch + 1
@@ -329,7 +338,7 @@ class Run(TrainStep, Metrics, Pretrained):
         desc = desc or f"epoch {self.state.epoch}"
         return self.reporter.progress(batches, total_samples=remaining,
                                       samples_per_batch=per_batch, desc=desc,
-                                      rates=self._bar_rates)
+                                      rates=self._stragglers.bar_rates(self._bar_rates))
 
     # -- checkpoints --------------------------------------------------------------
     def save(self, directory: str | os.PathLike | None = None, *, wait: bool = False) -> str | None:

@@ -1,22 +1,24 @@
 """What runs after every optimizer step, as a chain of small hooks.
 
 The order is fixed and matters: injected faults first (a test kills a rank right after
-the step it names), then the cross-rank health check, then the periodic checkpoint,
-and last the agreed SIGTERM/SIGINT stop, which saves (once) and exits.
+the step it names), then the cross-rank health check, the straggler check, the periodic
+checkpoint, and last the agreed SIGTERM/SIGINT stop, which saves (once) and exits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from paratrain.data.loader import DataCursor
 from paratrain.reliability.faults import FaultPlan
 from paratrain.reliability.health import HealthMonitor
 from paratrain.reliability.signals import GracefulStop
+from paratrain.reliability.stragglers import StragglerDetector
 
-__all__ = ["AfterStep", "FaultHook", "HealthHook", "PeriodicSave", "StopOnSignal"]
+__all__ = ["AfterStep", "FaultHook", "HealthHook", "PeriodicSave", "StopOnSignal",
+           "StragglerHook"]
 
 
 class AfterStep(Protocol):
@@ -44,6 +46,20 @@ class HealthHook:
     def __call__(self, global_step: int, cursor: DataCursor) -> None:
         self.monitor.after_step(global_step=global_step, epoch=cursor.epoch,
                                 offset=cursor.offset)
+
+
+@dataclass
+class StragglerHook:
+    """Time the step and its loader wait; every ``check_every`` steps name a slow rank."""
+
+    detector: StragglerDetector
+    loader: Callable[[], Any]
+    """The training loader now (None before ``run.loader``), whose wait this step took."""
+
+    def __call__(self, global_step: int, cursor: DataCursor) -> None:
+        loader = self.loader()
+        waited = loader.take_wait() if loader is not None else 0.0
+        self.detector.after_step(global_step, waited)
 
 
 @dataclass

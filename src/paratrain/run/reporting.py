@@ -224,6 +224,8 @@ def format_rates(rates: dict[str, float | None]) -> list[str]:
         parts.append("MFU n/a" if rates["mfu"] is None else f"MFU {100 * rates['mfu']:.1f}%")
     if rates.get("skipped_steps"):  # optimizer steps without an update (RunConfig.nan)
         parts.append(f"skipped={rates['skipped_steps']}")
+    if rates.get("straggler") is not None:  # a named slow rank (RunConfig.stragglers)
+        parts.append(f"straggler=rank {rates['straggler']}")
     return parts
 
 
