@@ -60,11 +60,17 @@ class RunConfig:
 
     nan: str = "stop"
     """What a non-finite (NaN/inf) loss, or gradient norm with ``max_grad_norm``, does:
-    ``stop`` (one line naming the step, the ranks and the batch; the step's update is
-    already applied), ``skip`` (no update, no scheduler step, counted in
+    ``stop`` (one line naming the step, the ranks and the batch, before the step's
+    update), ``skip`` (no update, no scheduler step, counted in
     ``run.epoch_stats``' ``skipped_steps``; 8 in a row stop) or ``warn`` (one warning
     line, training goes on). Under ``16-mixed`` the loss scaler skips such steps itself
     and 8 in a row stop the run. See ``docs/precision.md``."""
+
+    spike: Any = None
+    """Loss-spike check: a :class:`paratrain.run.spikes.Spike`, a dict of its fields
+    (``factor``, ``window``, ``policy``), True (factor 3 over a window of 50 losses,
+    ``skip``) or None (off). A loss above ``factor`` times the largest of the last
+    ``window`` losses stops, skips the batch or warns. See ``docs/precision.md``."""
 
     stragglers: Any = True
     """Name a rank slower than the others (in forward compute or data wait) in one line:
@@ -189,6 +195,9 @@ class RunConfig:
             object.__setattr__(self, "float8", Float8.parse(self.float8))
         if self.nan not in NAN_POLICIES:
             raise ValueError(f"nan must be one of {NAN_POLICIES}, got {self.nan!r}")
+        from paratrain.run.spikes import Spike
+
+        object.__setattr__(self, "spike", Spike.parse(self.spike))
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate must be an integer >= 1, got {self.accumulate!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,8 +57,9 @@ def test_a_nan_loss_stops_naming_step_rank_and_batch():
     assert message.startswith("non-finite loss at step 3 on ranks [0] "
                               "(batch: epoch 0, sample offset 16), so training stopped")
     assert 'Run(nan="skip")' in message and "\n" not in message
-    # Found one step later, before that step's update, and recorded in the run state.
-    assert run.global_step == 3
+    # Found before that step's update (step 3 was not taken), recorded in the run state.
+    assert "stopped before that step's update" in message
+    assert run.global_step == 2
     assert run.state.nonfinite_batches == [{"step": 3, "epoch": 0, "offset": 16, "ranks": [0]}]
 
 
@@ -134,15 +137,13 @@ def test_a_nonfinite_gradient_norm_is_seen_with_clipping():
         model = nn.Linear(4, 3)
         model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         x, y = dataset(8, bad=()).tensors
-        for _ in range(2):
-            run.backward(F.cross_entropy(model(x), y))  # a finite loss ...
-            model.weight.grad[0, 0] = float("inf")  # ... and an overflow in the backward
-            if run.global_step == 1:
-                with pytest.raises(NonFiniteError, match="non-finite gradient norm at step 1 "
-                                                         r"on ranks \[0\] \(batch: unknown"):
-                    run.step(optimizer)
-            else:
-                run.step(optimizer)
+        before = [p.detach().clone() for p in model.parameters()]
+        run.backward(F.cross_entropy(model(x), y))  # a finite loss ...
+        model.weight.grad[0, 0] = float("inf")  # ... and an overflow in the backward
+        with pytest.raises(NonFiniteError, match="non-finite gradient norm at step 1 "
+                                                 r"on ranks \[0\] \(batch: unknown"):
+            run.step(optimizer)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def nan_worker(rank, world_size, strategy, policy):
@@ -196,3 +197,65 @@ def test_a_nonfinite_batch_is_kept_in_the_checkpoint(tmp_path):
         run.state.maybe_resume()
         assert run.state.nonfinite_batches == [
             {"step": 3, "epoch": 0, "offset": 16, "ranks": [0]}]
+
+
+# -- nan="stop" stops before the bad step's update ---------------------------------------
+def poisoned_steps(run, model, optimizer, *, bad_step, steps=5, rank_poisoned=None):
+    """Train ``steps`` steps on clean data, multiplying the loss by NaN on ``bad_step``
+    (on ``rank_poisoned`` only, when given). Returns the error's message, the parameters
+    and optimizer state taken just before ``bad_step``, and those at the end."""
+    x, y = dataset(8 * steps, bad=()).tensors
+    before = None
+    try:
+        for step in range(1, steps + 1):
+            if step == bad_step:
+                before = ([p.detach().clone() for p in model.parameters()],
+                          copy.deepcopy(optimizer.state_dict()))
+            loss = F.cross_entropy(model(x[8 * step - 8:8 * step]), y[8 * step - 8:8 * step])
+            if step == bad_step and rank_poisoned in (None, run.rank):
+                loss = loss * float("nan")
+            run.backward(loss)
+            run.step(optimizer)
+    except NonFiniteError as exc:
+        after = ([p.detach().clone() for p in model.parameters()], optimizer.state_dict())
+        return str(exc), before, after, run.global_step
+    return None, before, None, run.global_step
+
+
+def same_state(a, b):
+    (params_a, opt_a), (params_b, opt_b) = a, b
+    assert all(torch.equal(p, q) for p, q in zip(params_a, params_b, strict=True))
+    assert opt_a["state"].keys() == opt_b["state"].keys()
+    for key, state in opt_a["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(opt_b["state"][key][name]))
+                   for name, v in state.items())
+    return True
+
+
+def test_stop_leaves_parameters_and_optimizer_state_as_before_the_bad_step():
+    with make_run(seed=1) as run:
+        model = nn.Linear(4, 3)
+        model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=0.1))
+        message, before, after, step = poisoned_steps(run, model, optimizer, bad_step=3)
+    assert message.startswith("non-finite loss at step 3 on ranks [0] (batch: unknown")
+    assert "stopped before that step's update" in message and "\n" not in message
+    assert step == 2 and same_state(before, after)  # bitwise: Adam's moments and step too
+
+
+def stop_worker(rank, world_size):
+    with paratrain.Run(strategy="ddp", accelerator="cpu", progress=False, seed=2) as run:
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=0.1))
+        message, before, after, step = poisoned_steps(run, model, optimizer, bad_step=3,
+                                                      rank_poisoned=1)
+        return message, step, same_state(before, after), [p.detach() for p in before[0]]
+
+
+@pytest.mark.slow
+def test_ranks_stop_before_the_update_with_parameters_untouched():
+    # Only rank 1's loss is NaN; DDP would average its NaN gradients into rank 0's update.
+    (message0, step0, same0, params0), (message1, step1, same1, params1) = spawn(stop_worker, 2)
+    assert message0 == message1
+    assert message0.startswith("non-finite loss at step 3 on ranks [1] (batch: unknown")
+    assert step0 == step1 == 2 and same0 and same1
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))

@@ -70,6 +70,7 @@ class Run(TrainStep, Metrics, Pretrained):
         parallel: Any = None, sync_batchnorm: bool = False, precision: str = "32",
         float8: Any = None, tf32: bool = True,
         accumulate: int = 1, max_grad_norm: float | None = None, nan: str = "stop",
+        spike: Any = None,
         stragglers: Any = True,
         checkpoint_activations: Any = None, seed: int = 0, timeout_s: float | None = None,
         accelerator: str = "auto", checkpoint_dir: str | os.PathLike | None = None,

@@ -8,15 +8,21 @@ What is checked: the loss given to ``run.backward`` (a plain ``loss.backward()``
 seen) and, with ``max_grad_norm``, the gradient norm the clipping computes anyway. No
 other pass over the gradients is made, and no value is changed.
 
-Why it costs nothing measurable: the check is one tiny kernel per micro-step on the
-device; the ranks that step together agree with one small all-gather per optimizer step
-(one code per rank also names the ranks that saw it); and under the default
-``stop`` the agreed flags are read on the host one optimizer step later (or before a
-checkpoint, at the end of an epoch), from a copy made without waiting, so the step never
-waits for the device. ``skip`` must decide before the update and so reads the flags at
-once, a device wait per step like GradScaler's. Under a GradScaler (``16-mixed``) its
-own skips are counted instead: it already checks every gradient and decides alike on
-every rank.
+What it costs: one tiny kernel per micro-step on the device, and one small all-gather
+per optimizer step among the ranks that step together (one code per rank also names the
+ranks that saw it). ``stop`` and ``skip`` decide before the update, so they read the
+agreed flags on the host at once: free on CPU (gloo's collective returns on the host),
+one device wait per optimizer step on CUDA, like GradScaler's. Nothing cheaper stops
+before the update: a step has no host read of its own to share (no ``item()``, the
+clipping keeps its norm on the device) and ``optimizer.step`` cannot be made conditional
+on a device flag in general (only torch's fused optimizers take one). ``warn`` never
+acts before the update, so its flags are read one optimizer step later (or before a
+checkpoint, at the end of an epoch) from a copy made without waiting: no device wait.
+Under a GradScaler (``16-mixed``) its own skips are counted instead: it already checks
+every gradient and decides alike on every rank.
+
+The loss-spike check (:mod:`paratrain.run.spikes`) rides on the same all-gather: each
+rank's loss of the group goes with its code.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Any
 import torch
 
 from paratrain.distributed.dtensor import local_piece
+from paratrain.run.spikes import SpikeGuard
+from paratrain.run.spikes import batch_text as _batch_text
 
 MAX_SKIPS_IN_A_ROW = 8
 """Skipped optimizer steps in a row (``nan="skip"`` or the fp16 loss scaler) that stop
@@ -50,7 +58,8 @@ class _Pending:
 
     step: int
     batch: tuple[int, int] | None  # (epoch, sample offset) of the group's first sample
-    flags: torch.Tensor  # every rank's code (a host copy on CUDA)
+    loss_factor: float
+    flags: torch.Tensor  # every rank's row: code (and loss), a host copy on CUDA
     ready: Any  # CUDA event after the copy, or None
 
 
@@ -66,12 +75,15 @@ class FiniteGuard:
         records: where non-finite batches are recorded (``RunState.nonfinite_batches``,
             saved in checkpoints).
         warn: a rank-0 print for the warning line.
+        spikes: the loss-spike check (``RunConfig.spike``), or None.
     """
 
     def __init__(self, *, policy: str, agree: Callable[[torch.Tensor], torch.Tensor],
                  rank: int, device: torch.device, scaled: bool,
-                 records: list[dict[str, Any]], warn: Callable[[str], None]) -> None:
+                 records: list[dict[str, Any]], warn: Callable[[str], None],
+                 spikes: SpikeGuard | None = None) -> None:
         self.policy = policy
+        self.spikes = spikes
         self.skipped_steps = 0
         """Optimizer steps without an update (``skip`` or the loss scaler), all epochs."""
         self._agree = agree
@@ -90,10 +102,13 @@ class FiniteGuard:
         self._last_end: tuple[int, int] | None = None
         self._last_batch: tuple[int, int] | None = None
         self._host: tuple[torch.Tensor, Any] | None = None
+        self._skipping = False  # before_update's answer for the step being taken
 
     # -- during the accumulation group -------------------------------------------------
     def saw_loss(self, loss: torch.Tensor) -> None:
         """Note (on the device, no wait) whether ``loss`` is finite."""
+        if self.spikes is not None:
+            self.spikes.saw_loss(loss)
         if not self._scaled:
             ok = torch.isfinite(local_piece(loss.detach())).all()
             self._loss_ok = ok if self._loss_ok is None else self._loss_ok & ok
@@ -116,44 +131,76 @@ class FiniteGuard:
         return code.reshape(1)
 
     # -- at the optimizer step -----------------------------------------------------------
-    def before_update(self, step: int, loader: Any) -> bool:
-        """Agree on this step's flags; True when its update must be skipped (``skip``).
+    def before_update(self, step: int, loader: Any, *, loss_factor: float = 1.0) -> bool:
+        """Agree on this step's flags; stop (raise) or return True when its update must
+        be skipped, before the update.
 
         ``step`` is the optimizer step being taken (1-based), ``loader`` the training
-        loader (None when the data does not come from ``run.loader``).
+        loader (None when the data does not come from ``run.loader``), ``loss_factor``
+        what the gradients were multiplied by (for the spike check's loss).
         """
         batch = self._batch(loader)
-        if self._scaled:
+        spikes = self.spikes
+        self._skipping = False
+        if self._scaled and spikes is None:
             return False
-        self.settle()  # the previous step's flags: stop or warn before this update
-        flags = self._agree(self._code()).reshape(-1)  # every rank calls it, seen or not
-        if self.policy != "skip":
-            self._pending = _Pending(step, batch, *self._copy_to_host(flags))
+        self.settle()  # the previous step's flags, under warn
+        code = self._code()
+        if spikes is not None:  # each rank's row: its code and its loss of the group
+            code = torch.cat([code.float(), spikes.take_loss(code.device)])
+        rows = self._agree(code).reshape(-1, code.numel())  # every rank calls it, seen or not
+        if self.policy == "warn" and (spikes is None or spikes.policy == "warn"):
+            self._pending = _Pending(step, batch, loss_factor, *self._copy_to_host(rows))
             return False
-        bad = self._bad_rows(flags.cpu().numpy().tolist())  # skip decides now: a device wait
-        if not bad:
+        # stop and skip decide now, before the update: the one host read (a device wait
+        # on CUDA, none on CPU).
+        self._skipping = self._decide(step, batch, loss_factor, rows.cpu().tolist())
+        return self._skipping
+
+    def _decide(self, step: int, batch: tuple[int, int] | None, loss_factor: float,
+                rows: list[list[float]]) -> bool:
+        """Act on one step's agreed rows; True when its update must be skipped."""
+        bad = self._bad_rows([int(row[0]) for row in rows])
+        if bad:
+            self._record(step, batch, bad)
+            where = f"{_describe(bad)} at step {step} on ranks {[r for _, r in bad]} " \
+                    f"({_batch_text(batch)})"
+            if self.policy == "stop":
+                raise NonFiniteError(
+                    f"{where}, so training stopped before that step's update (the "
+                    f"parameters are those after step {step - 1}); resume from the last "
+                    "checkpoint with a lower learning rate or that batch fixed, or pass "
+                    "Run(nan=\"skip\") to skip such steps")
+            if self.policy == "skip":
+                self._count_skip(step, batch, what=_describe(bad))
+                return True
+            if not self._warned:
+                self._warned = True
+                self._warn(f"paratrain: warning: {where}; training goes on (nan=\"warn\"), "
+                           "the parameters may be non-finite now; this warning is shown once")
+        if self.spikes is not None and self.spikes.check(
+                step, batch, [row[1] for row in rows], loss_factor):
+            self._count_skip(step, batch, what="loss spikes")
+            return True
+        if not self._scaled:  # under a scaler, after_update counts its skips in a row
             self._in_a_row.clear()
-            return False
-        self._record(step, batch, bad)
-        self._count_skip(step, batch, what=_describe(bad))
-        return True
+        return False
 
     def after_update(self, stepped: bool, step: int) -> None:
         """Under a GradScaler: count its skip; ``MAX_SKIPS_IN_A_ROW`` in a row stop."""
-        if not self._scaled:
+        if not self._scaled or self._skipping:  # a spike skip is counted already
             return
         if stepped:
             self._in_a_row.clear()
         else:
-            self._count_skip(step, self._last_batch, what="the loss scaler found inf/nan "
-                             "gradients (float16 overflow or a non-finite loss)")
+            self._count_skip(step, self._last_batch, scaler=True, what="the loss scaler "
+                             "found inf/nan gradients (float16 overflow or a non-finite loss)")
 
     def settle(self) -> None:
-        """Read the pending flags (waiting for that step only) and stop or warn on them.
+        """Read the pending flags of ``warn`` (waiting for that step only) and warn on them.
 
-        Called before the next update, before a checkpoint is written (a non-finite
-        model is never saved) and at the end of an epoch; all ranks call it at the
-        same points and read the same agreed flags.
+        Called before the next update, before a checkpoint is written and at the end of
+        an epoch; all ranks call it at the same points and read the same agreed flags.
         """
         pending, self._pending = self._pending, None
         if pending is None:
@@ -162,22 +209,8 @@ class FiniteGuard:
             pending.ready.synchronize()
         # A host tensor, copied when that step's flags were agreed: reading it does not
         # wait for the device (``numpy`` is a view, unlike ``item``/``tolist``).
-        bad = self._bad_rows(pending.flags.numpy().tolist())
-        if not bad:
-            return
-        self._record(pending.step, pending.batch, bad)
-        where = f"{_describe(bad)} at step {pending.step} on ranks {[r for _, r in bad]} " \
-                f"({_batch_text(pending.batch)})"
-        if self.policy == "stop":
-            raise NonFiniteError(
-                f"{where}, so training stopped (that step's update was applied: the "
-                "parameters may be non-finite now); resume from the last checkpoint with a "
-                "lower learning rate or that batch fixed, or pass Run(nan=\"skip\") to skip "
-                "such steps")
-        if not self._warned:
-            self._warned = True
-            self._warn(f"paratrain: warning: {where}; training goes on (nan=\"warn\"), the "
-                       "parameters may be non-finite now; this warning is shown once")
+        self._decide(pending.step, pending.batch, pending.loss_factor,
+                     pending.flags.numpy().tolist())
 
     def take_epoch_skipped(self) -> int:
         """Skipped steps since the last call (the ``skipped_steps`` of an epoch's stats)."""
@@ -191,7 +224,8 @@ class FiniteGuard:
         ranks = [self._rank] if len(codes) == 1 else range(len(codes))
         return [(int(code), rank) for code, rank in zip(codes, ranks) if code]
 
-    def _count_skip(self, step: int, batch: tuple[int, int] | None, *, what: str) -> None:
+    def _count_skip(self, step: int, batch: tuple[int, int] | None, *, what: str,
+                    scaler: bool = False) -> None:
         self.skipped_steps += 1
         self._epoch_skipped += 1
         self._in_a_row.append((step, batch))
@@ -200,12 +234,12 @@ class FiniteGuard:
         first, (last, last_batch) = self._in_a_row[0][0], self._in_a_row[-1]
         line = (f"{len(self._in_a_row)} optimizer steps in a row were skipped (steps {first} to "
                 f"{last}, the last at {_batch_text(last_batch)}): {what}, so nothing trains")
-        if self.policy == "warn":  # only the scaler skips under warn
+        if self.policy == "warn" and scaler:  # nan="warn" goes on; spike skips stop
             self._in_a_row.clear()
             self._warn(f"paratrain: warning: {line}; training goes on (nan=\"warn\")")
             return
         fix = ("check the loss and the data, lower the learning rate, or use precision "
-               "\"bf16-mixed\"" if self._scaled else
+               "\"bf16-mixed\"" if scaler else
                "check the loss and the data, or lower the learning rate")
         raise NonFiniteError(f"{line}; {fix}")
 
@@ -249,9 +283,3 @@ def _describe(bad: list[tuple[int, int]]) -> str:
         codes |= code
     kinds = [name for bit, name in ((_LOSS, "loss"), (_NORM, "gradient norm")) if codes & bit]
     return "non-finite " + " and ".join(kinds)
-
-
-def _batch_text(batch: tuple[int, int] | None) -> str:
-    if batch is None:
-        return "batch: unknown, the data does not come from run.loader"
-    return f"batch: epoch {batch[0]}, sample offset {batch[1]}"

@@ -20,6 +20,7 @@ from paratrain.checkpoint.files import CheckpointError, CorruptCheckpoint
 from paratrain.checkpoint.resume import resume_newest
 from paratrain.data.loader import DataCursor, DistributedLoader
 from paratrain.data.training import TrainingLoaders
+from paratrain.run import spikes
 from paratrain.run.seeding import seed_everything
 from paratrain.strategies.capabilities import ShardedState, local_module
 
@@ -55,6 +56,8 @@ class RunState:
         self.nonfinite_batches: list[dict[str, Any]] = []
         """Steps whose loss was non-finite: step, epoch, sample offset of the batch, ranks
         (see ``RunConfig.nan``); saved in checkpoints, so a resumed run keeps the list."""
+        self.loss_spikes = spikes.new_state()
+        """Loss spikes met and the spike check's window (``RunConfig.spike``), saved alike."""
         self._resume_cursor: DataCursor | None = None
         self._resume_checked = False
         self._saved: Path | None = None  # the checkpoint of the current step, once written
@@ -159,6 +162,7 @@ class RunState:
             "optimizer_types": checkpoint.optimizer_types(self.optimizers),
             "precision": self._precision.state_dict(),
             "nonfinite_batches": list(self.nonfinite_batches),
+            "loss_spikes": {key: list(items) for key, items in self.loss_spikes.items()},
             "rng": self._gather_rng(),
         }
         if self._trackers and topology.is_main:  # after a flush: the steps so far are in them
@@ -294,6 +298,8 @@ class RunState:
             scheduler.load_state_dict(scheduler_state)
         self._precision.load_state_dict(state["precision"])
         self.nonfinite_batches[:] = state.get("nonfinite_batches", [])
+        for key, items in self.loss_spikes.items():  # in place: the spike check holds them
+            items[:] = state.get("loss_spikes", {}).get(key, [])
         self.global_step = int(state["global_step"])
         if self._trackers:
             self._trackers.load_state_dict(state.get("trackers"), step=self.global_step)

@@ -21,6 +21,7 @@ from paratrain.run import misuse
 from paratrain.run.build import guard_peers
 from paratrain.run.finite import FiniteGuard
 from paratrain.run.prepared import PreparedOptimizers, SchedulerSteps
+from paratrain.run.spikes import spike_guard
 from paratrain.strategies.capabilities import require_compile
 
 
@@ -44,7 +45,8 @@ class TrainStep:
         self._finite = FiniteGuard(
             policy=self.config.nan, agree=self.strategy.agree_flags, rank=self.rank,
             device=self.device, scaled=self.precision.scaler is not None,
-            records=self.state.nonfinite_batches, warn=self.print)
+            records=self.state.nonfinite_batches, warn=self.print,
+            spikes=spike_guard(self.config.spike, self.state.loss_spikes, self.print))
         self._compiled_step: CompiledOptimizerStep | None = None  # compile['optimizer']
 
     def _bar_rates(self, samples_per_s: float) -> dict[str, float | None]:
@@ -170,7 +172,9 @@ class TrainStep:
             self._finite.saw_grad_norm(state.last_grad_norm)
         step = self.state.global_step + 1
         # nan="skip": a non-finite step is not applied (grads zeroed, schedulers held).
-        skip = self._finite.before_update(step, self._train_loader)
+        skip = self._finite.before_update(step, self._train_loader, loss_factor=correction)
+        if skip:  # no update; a GradScaler still checks the gradients and updates its scale
+            self.precision.step(optimizer, lambda: None)
         step_with = self._compiled_step or self.strategy.optimizer_step
         stepped = not skip and self.precision.step(optimizer, lambda: step_with(optimizer))
         self._finite.after_update(stepped, step)
@@ -193,7 +197,7 @@ class TrainStep:
             # The loop left the epoch mid-group (e.g. a break): drop the partial gradients.
             for optimizer in self.state.optimizers:
                 optimizer.zero_grad(set_to_none=True)
-        self._finite.settle()  # the epoch's last step: stop or warn before the epoch ends
+        self._finite.settle()  # the epoch's last step: warn before the epoch ends
 
     def _count_flops_done(self) -> None:
         if self._flop_counter.active:
