@@ -15,7 +15,15 @@ from paratrain.checkpoint import CheckpointError
 from paratrain.config import RunConfig
 from paratrain.data import DataCursor, DistributedLoader, ShardedSampler
 from paratrain.distributed.topology import Topology
-from paratrain.parallel import ContextParallel, Parallel, Pipeline, Sharding, TensorParallel
+from paratrain.parallel import (
+    ContextParallel,
+    DiLoCo,
+    LocalSGD,
+    Parallel,
+    Pipeline,
+    Sharding,
+    TensorParallel,
+)
 from paratrain.run import Run, seed_everything
 from paratrain.strategies import Strategy, available_strategies
 
@@ -25,7 +33,9 @@ __all__ = [
     "CheckpointError",
     "ContextParallel",
     "DataCursor",
+    "DiLoCo",
     "DistributedLoader",
+    "LocalSGD",
     "Parallel",
     "Pipeline",
     "Run",

@@ -150,17 +150,31 @@ def _restore_own_buffers(modules: list[nn.Module], state: dict[str, Any]) -> Non
 
 
 def save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
-                 optimizers: list[torch.optim.Optimizer]) -> None:
-    """Write every rank's shards of models and optimizers to ``directory`` (collective)."""
+                 optimizers: list[torch.optim.Optimizer], *, lowest_rank: bool = False) -> None:
+    """Write every rank's shards of models and optimizers to ``directory`` (collective).
+
+    ``lowest_rank``: a tensor several ranks hold under one name is written by the lowest
+    of them (DCP otherwise balances the writers), so copies that differ (semi-synchronous
+    replica groups) are saved consistently, from one group.
+    """
     import torch.distributed.checkpoint as dcp
 
     with _single_process_quiet():
-        dcp.save(_state(modules, optimizers), checkpoint_id=str(directory))
+        dcp.save(_state(modules, optimizers), checkpoint_id=str(directory),
+                 planner=_planner(lowest_rank))
+
+
+def _planner(lowest_rank: bool) -> Any:
+    if not lowest_rank:
+        return None  # DCP's default
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def start_save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
                        optimizers: list[torch.optim.Optimizer], *,
-                       group: dist.ProcessGroup) -> Future:
+                       group: dist.ProcessGroup, lowest_rank: bool = False) -> Future:
     """Copy this rank's shards to the CPU now and write them on a thread (collective).
 
     ``group`` carries the writing threads' collectives: it must be a gloo group of
@@ -171,7 +185,7 @@ def start_save_sharded(directory: str | os.PathLike, modules: list[nn.Module],
     import torch.distributed.checkpoint as dcp
 
     return dcp.async_save(_state(modules, optimizers), checkpoint_id=str(directory),
-                          process_group=group)
+                          process_group=group, planner=_planner(lowest_rank))
 
 
 @contextlib.contextmanager

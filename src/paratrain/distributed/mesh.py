@@ -211,12 +211,13 @@ class ParallelMesh:
             flattened_group(mesh["shard", "context"], name="fsdp")
         return mesh
 
-    def fsdp_mesh(self):
+    def fsdp_mesh(self, *, replicate: bool = True):
         """The mesh FSDP shards over: ``shard`` (``shard x context`` flattened with cp), with
-        ``replicate`` as HSDP's outer axis when there are replicas."""
+        ``replicate`` as HSDP's outer axis when there are replicas (and ``replicate``: False
+        keeps the replicas apart, as semi-synchronous training does)."""
         shard = "fsdp" if self.degrees.context_degree > 1 else "shard"
         self.device_mesh  # noqa: B018  (builds the flattened axis first)
-        if self.degrees.replicate_degree > 1:
+        if self.degrees.replicate_degree > 1 and replicate:
             return self.device_mesh["replicate", shard]
         return self.device_mesh[shard]
 

@@ -9,6 +9,14 @@ one function that chooses what runs a resolved layout. Nothing here imports the 
 """
 
 from paratrain.parallel.degrees import Parallel
-from paratrain.parallel.options import ContextParallel, Pipeline, Sharding, TensorParallel
+from paratrain.parallel.options import (
+    ContextParallel,
+    DiLoCo,
+    LocalSGD,
+    Pipeline,
+    Sharding,
+    TensorParallel,
+)
 
-__all__ = ["ContextParallel", "Parallel", "Pipeline", "Sharding", "TensorParallel"]
+__all__ = ["ContextParallel", "DiLoCo", "LocalSGD", "Parallel", "Pipeline", "Sharding",
+           "TensorParallel"]

@@ -21,7 +21,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from paratrain.distributed.mesh import ParallelDegrees
-from paratrain.parallel.options import ContextParallel, Pipeline, Sharding, TensorParallel
+from paratrain.parallel.options import (
+    SEMI_SYNC,
+    ContextParallel,
+    Pipeline,
+    Sharding,
+    TensorParallel,
+)
 
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Degree fields, outermost mesh axis first (the order of ``ParallelDegrees.shape``)."""
@@ -76,6 +82,11 @@ class Parallel:
     context: ContextParallel | None = None
     """Options of context parallelism (needs ``cp`` > 1)."""
 
+    semi_sync: Any = None
+    """``LocalSGD(every=H)`` or ``DiLoCo(every=H, ...)``: replica groups (``dp_replicate``)
+    step alone and synchronise every H optimizer steps instead of averaging gradients
+    at every step; FSDP then shards within a group only. None: every step."""
+
     def __post_init__(self) -> None:
         if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"Parallel.ep must be an integer >= 1, got {self.ep!r}")
@@ -98,6 +109,25 @@ class Parallel:
             if getattr(self, name) is not None and getattr(self, degree) == 1:
                 raise ValueError(f"Parallel.{name} options need {degree} > 1 (or -1); "
                                  f"set {degree} or drop {name}")
+        self._check_semi_sync()
+
+    def _check_semi_sync(self, replicas: int | None = None) -> None:
+        mode = self.semi_sync
+        if mode is None:
+            return
+        if not isinstance(mode, SEMI_SYNC):
+            raise ValueError("Parallel.semi_sync must be a paratrain.LocalSGD, a "
+                             f"paratrain.DiLoCo or None, got {type(mode).__name__}")
+        name = type(mode).__name__
+        if (self.dp_replicate if replicas is None else replicas) == 1:
+            raise ValueError(f"Parallel.semi_sync={name} needs dp_replicate > 1 (the replica "
+                             "groups that sync every H steps); set dp_replicate or drop "
+                             "semi_sync")
+        for degree, what in (("pp", "a pipeline"), ("ep", "expert parallel")):
+            if getattr(self, degree) not in (1,):
+                raise ValueError(f"Parallel.semi_sync={name} with {what} ({degree}="
+                                 f"{getattr(self, degree)}) is not supported; drop {degree} "
+                                 "or semi_sync")
 
     @classmethod
     def parse(cls, spec: Any) -> Parallel:
@@ -157,6 +187,7 @@ class Parallel:
             raise ValueError(f"Parallel.tp={given['tp']} does not fit in a node of {node} "
                              "processes; tensor-parallel ranks must share a node: choose a "
                              f"tp that divides {node}")
+        self._check_semi_sync(given["dp_replicate"])
         borrowed = given["dp_shard"] * given["cp"]
         if borrowed % self.ep:
             raise ValueError(f"Parallel.ep={self.ep} must divide dp_shard x cp = {borrowed} "

@@ -1,11 +1,11 @@
 """Typed options of each parallelism, one small dataclass each, defined once.
 
 They travel inside :class:`~paratrain.parallel.Parallel` (``tensor=``, ``sharding=``,
-``pipeline=``, ``context=``) and are the options the runtime reads: the layout strategy
-takes them as they are, and the named presets (``fsdp``, ``tp``, ``pipeline``, ...) turn
-their ``strategy_options`` into them. Each validates itself with a one-line
-``ValueError`` naming the field; this module imports nothing of the runtime, so
-``parallel/`` sits below ``strategies/``.
+``pipeline=``, ``context=``, ``semi_sync=``) and are the options the runtime reads: the
+layout strategy takes them as they are, and the named presets (``fsdp``, ``tp``,
+``pipeline``, ...) turn their ``strategy_options`` into them. Each validates itself with
+a one-line ``ValueError`` naming the field; this module imports nothing of the runtime,
+so ``parallel/`` sits below ``strategies/``.
 """
 
 from __future__ import annotations
@@ -215,6 +215,99 @@ class ContextParallel:
             raise ValueError(f"ContextParallel.method must be one of {CONTEXT_METHODS}, "
                              f"got {self.method!r}")
         _check_bool("ContextParallel", "load_balanced", self.load_balanced)
+
+
+def _check_count(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}.{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalSGD:
+    """Semi-synchronous training over ``dp_replicate``: each replica group takes ``every``
+    optimizer steps alone (no communication across groups), then the groups average
+    their parameters.
+
+    Example:
+        >>> LocalSGD(every=8).every
+        8
+    """
+
+    every: int
+    """Optimizer steps between two averages (H); 1 averages after every step."""
+
+    def __post_init__(self) -> None:
+        _check_count("LocalSGD", "every", self.every)
+
+
+COMM_DTYPES = (None, "bf16")
+"""How DiLoCo sends pseudo-gradients: None (their own dtype) or ``"bf16"``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiLoCo:
+    """DiLoCo over ``dp_replicate``: each replica group takes ``every`` optimizer steps
+    alone; then the groups average their pseudo-gradients (the last synchronised
+    parameters minus their own) and an outer SGD with Nesterov momentum steps the
+    synchronised parameters, which every group continues from.
+
+    Example:
+        >>> DiLoCo(every=100, fragments=4).fragments
+        4
+    """
+
+    every: int
+    """Inner optimizer steps between two outer steps (H)."""
+
+    outer_lr: float = 0.7
+    """The outer SGD's learning rate (DiLoCo's 0.7; 1 with momentum 0 is local SGD)."""
+
+    outer_momentum: float = 0.9
+    """The outer SGD's momentum, in [0, 1)."""
+
+    nesterov: bool = True
+    """Nesterov momentum for the outer step."""
+
+    fragments: int = 1
+    """Streaming DiLoCo: the parameters cut into this many fragments (consecutive FSDP
+    units / blocks), fragment ``j`` synchronised ``j * every / fragments`` steps before
+    fragment 0, so each sync sends only its share. Must divide ``every``."""
+
+    overlap: bool = False
+    """Send each fragment's pseudo-gradient while the next inner step runs and apply the
+    outer step after it (one step stale: that fragment's inner update of the overlapped
+    step is replaced by the synchronised value)."""
+
+    comm_dtype: str | None = None
+    """``"bf16"`` sends the pseudo-gradients in bfloat16 (half the bytes); None in their
+    own dtype."""
+
+    def __post_init__(self) -> None:
+        _check_count("DiLoCo", "every", self.every)
+        _check_count("DiLoCo", "fragments", self.fragments)
+        lr, momentum = self.outer_lr, self.outer_momentum
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"DiLoCo.outer_lr must be a number > 0, got {lr!r}")
+        if (isinstance(momentum, bool) or not isinstance(momentum, (int, float))
+                or not 0 <= momentum < 1):
+            raise ValueError(f"DiLoCo.outer_momentum must be in [0, 1), got {momentum!r}")
+        _check_bool("DiLoCo", "nesterov", self.nesterov)
+        _check_bool("DiLoCo", "overlap", self.overlap)
+        if self.every % self.fragments:
+            raise ValueError(f"DiLoCo.fragments={self.fragments} must divide "
+                             f"every={self.every} (the fragments sync at evenly staggered "
+                             "steps); choose a divisor")
+        if self.overlap and self.every == 1:
+            raise ValueError("DiLoCo.overlap needs every >= 2 (the overlapped inner step of a "
+                             "fragment is replaced by its outer step); raise every or drop "
+                             "overlap")
+        if self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"DiLoCo.comm_dtype must be None or 'bf16', "
+                             f"got {self.comm_dtype!r}")
+
+
+SEMI_SYNC = (LocalSGD, DiLoCo)
+"""The semi-synchronous modes ``Parallel(semi_sync=...)`` takes."""
 
 
 def changed_fields(options: Any) -> dict[str, Any]:

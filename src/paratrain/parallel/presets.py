@@ -209,7 +209,10 @@ def resolve_strategy(name: str, options: dict[str, Any], parallel: Any, *, world
         chosen = choose(degrees)
         if chosen != "layout" and not _has_options(layout):
             return Resolved(chosen, dict(options))
-        return Resolved(layout_name(degrees), {}, _with_options(layout, name, options))
+        named = layout_name(degrees)
+        # Replicas that sync every H steps (semi_sync) run in the layout strategy, not DDP.
+        named = "hybrid" if named in REPLICATED else named
+        return Resolved(named, {}, _with_options(layout, name, options))
     meant = preset(name, options, local_world_size=local_world_size)
     if meant is None:
         raise ValueError(f"unknown strategy {name!r} with parallel={str(layout)!r}; use "
@@ -219,6 +222,10 @@ def resolve_strategy(name: str, options: dict[str, Any], parallel: Any, *, world
         raise ValueError(f"strategy {name!r} means {describe(meant_degrees)} on {world_size} "
                          f"processes but parallel= says {describe(degrees)}; drop one of them")
     if name in REPLICATED:
+        if layout.semi_sync is not None:
+            raise ValueError(f"strategy {name!r} averages gradients at every step; "
+                             f"semi_sync={type(layout.semi_sync).__name__} runs in the layout "
+                             "strategy: use strategy='auto' (the default)")
         if _has_options(layout):
             raise ValueError(f"strategy {name!r} means {describe(meant_degrees)}, without "
                              "typed options; drop parallel='s options or the strategy")
@@ -228,7 +235,7 @@ def resolve_strategy(name: str, options: dict[str, Any], parallel: Any, *, world
 
 def _has_options(layout: Parallel) -> bool:
     return any(getattr(layout, f) is not None for f in ("tensor", "sharding", "pipeline",
-                                                         "context"))
+                                                         "context", "semi_sync"))
 
 
 def _with_options(layout: Parallel, name: str, options: dict[str, Any]) -> Parallel:

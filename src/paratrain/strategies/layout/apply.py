@@ -12,6 +12,9 @@ over the slice of the mesh it needs:
 6. FSDP over the data axes: ``shard x context`` (HSDP with ``replicate``; shard 1 when
    there are only replicas, so replicas average gradients the same way everywhere).
    Experts are their own units, sharded over the ranks that hold the same experts.
+   With ``semi_sync`` (LocalSGD, DiLoCo) the replicas stay apart: FSDP shards within a
+   replica group only (none when ``shard x context`` is 1), and the outer sync
+   (:mod:`paratrain.strategies.semisync`) runs after the optimizer step instead.
 
 This is torchtitan's order (a model's ``parallelize.py``): TP before FSDP so that FSDP
 shards the TP pieces once more; activation checkpointing and compile wrap blocks whose
@@ -86,13 +89,16 @@ def parallelize(module: nn.Module, mesh: ParallelMesh, layout: Parallel, *,
         applied.expert_layers = apply_experts(module, mesh)
     if checkpoint_activations is not None:
         apply_activation_checkpointing(module, checkpoint_activations)
-    sharded = d.data_parallel_degree * d.context_degree > 1
+    # Semi-synchronous replicas never average gradients: FSDP stays inside a group.
+    replicas = layout.semi_sync is None
+    sharded = (d.data_parallel_degree if replicas else d.shard_degree) * d.context_degree > 1
     if not sharded:
         if compile_options is not None:
             compile_model(module, compile_options)
         return applied
     apply_fsdp(module, mesh, layout.sharding or Sharding(), mp_policy=mp_policy,
-               compile_options=compile_options, offload_policy=offload_policy)
+               compile_options=compile_options, offload_policy=offload_policy,
+               replicas=replicas)
     applied.sharded = True
     return applied
 
@@ -135,9 +141,11 @@ def expert_modules(module: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(module: nn.Module, mesh: ParallelMesh, sharding: Sharding, *, mp_policy: Any,
-               compile_options: CompileOptions | None, offload_policy: Any) -> None:
+               compile_options: CompileOptions | None, offload_policy: Any,
+               replicas: bool = True) -> None:
     """FSDP2 over the data axes: split experts first (over the ranks holding the same
-    experts), then the blocks the wrap policy names, then the root."""
+    experts), then the blocks the wrap policy names, then the root. ``replicas``: False
+    shards within a replica group only (its mesh leaves ``replicate`` out)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = {"reshard_after_forward": sharding.reshard_after_forward,
@@ -162,4 +170,4 @@ def apply_fsdp(module: nn.Module, mesh: ParallelMesh, sharding: Sharding, *, mp_
                 # whole, FSDP's hooks run around it.
                 before_shard=None if compile_options is None
                 else lambda unit: compile_forward(unit, compile_options),
-                mesh=mesh.fsdp_mesh(), **kwargs)
+                mesh=mesh.fsdp_mesh(replicate=replicas), **kwargs)

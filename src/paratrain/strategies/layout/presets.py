@@ -24,7 +24,12 @@ def build_layout(topology: Topology, layout: Parallel, *, name: str,
     """The layout strategy for ``layout`` on this job, called ``name``."""
     degrees = layout.resolve(world_size=topology.world_size,
                              local_world_size=topology.local_world_size)
-    strategy = LayoutStrategy(topology, layout, degrees, name=name, timeout_s=timeout_s)
+    cls = LayoutStrategy
+    if layout.semi_sync is not None:  # replicas that sync every H steps
+        from paratrain.strategies.semisync.strategy import SemiSyncStrategy
+
+        cls = SemiSyncStrategy
+    strategy = cls(topology, layout, degrees, name=name, timeout_s=timeout_s)
     if name in _NAMES_MORE or degrees.context_degree > 1 or degrees.expert_degree > 1:
         # The name alone does not say the degrees: print them at start.
         strategy.layout_line = f"strategy {name!r}: {describe(degrees)}"
