@@ -22,55 +22,13 @@ from torch.utils.data import TensorDataset
 import paratrain
 from paratrain import DiLoCo, LocalSGD, Parallel
 from paratrain.distributed.spawn import spawn
-from paratrain.parallel.presets import resolve_strategy
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.semisync import due, unit_names
 from paratrain.strategies.semisync.fragments import split_units
 from paratrain.strategies.semisync.outer import local_piece
 from paratrain.testing.reference import synthetic_classification
 
-# -- one-line refusals and the schedule (no processes) ------------------------------------
-
-REFUSALS = [
-    (lambda: LocalSGD(every=0), "LocalSGD.every must be an integer >= 1"),
-    (lambda: DiLoCo(every=4, outer_lr=0), "DiLoCo.outer_lr must be a number > 0"),
-    (lambda: DiLoCo(every=4, outer_momentum=1.0), r"DiLoCo.outer_momentum must be in \[0, 1\)"),
-    (lambda: DiLoCo(every=4, outer_momentum=-0.1), "outer_momentum must be in"),
-    (lambda: DiLoCo(every=4, fragments=0), "DiLoCo.fragments must be an integer >= 1"),
-    (lambda: DiLoCo(every=6, fragments=4), "DiLoCo.fragments=4 must divide every=6"),
-    (lambda: DiLoCo(every=4, comm_dtype="int4"), "DiLoCo.comm_dtype must be None or 'bf16'"),
-    (lambda: DiLoCo(every=1, overlap=True), "DiLoCo.overlap needs every >= 2"),
-    (lambda: Parallel(dp_shard=2, semi_sync=LocalSGD(every=2)),
-     "semi_sync=LocalSGD needs dp_replicate > 1"),
-    (lambda: Parallel(dp_replicate=-1, dp_shard=2, semi_sync=DiLoCo(every=2)).resolve(
-        world_size=2), "semi_sync=DiLoCo needs dp_replicate > 1"),
-    (lambda: Parallel(pp=2, dp_replicate=2, semi_sync=DiLoCo(every=2)),
-     r"with a pipeline \(pp=2\) is not supported"),
-    (lambda: Parallel(dp_replicate=2, dp_shard=2, ep=2, semi_sync=DiLoCo(every=2)),
-     r"with expert parallel \(ep=2\) is not supported"),
-    (lambda: Parallel(dp_replicate=2, semi_sync="diloco"),
-     "semi_sync must be a paratrain.LocalSGD, a paratrain.DiLoCo or None"),
-    (lambda: resolve_strategy("ddp", {}, Parallel(dp_replicate=2, semi_sync=LocalSGD(every=2)),
-                              world_size=2, local_world_size=2),
-     "strategy 'ddp' averages gradients at every step"),
-    (lambda: split_units([10, 10], 3), r"fragments=3 but the model has 2 block\(s\)"),
-]
-
-
-@pytest.mark.parametrize("make, message", REFUSALS)
-def test_refusals_are_one_line(make, message):
-    with pytest.raises(ValueError, match=message) as info:
-        make()
-    assert "\n" not in str(info.value)
-
-
-def test_a_pure_replicate_layout_with_semi_sync_runs_in_the_layout_strategy():
-    layout = Parallel(dp_replicate=2, semi_sync=DiLoCo(every=2))
-    resolved = resolve_strategy("auto", {}, layout, world_size=2, local_world_size=2)
-    assert (resolved.name, resolved.layout) == ("hybrid", layout)
-    assert resolve_strategy("auto", {}, "dp_replicate=2", world_size=2,
-                            local_world_size=2).name == "ddp"  # unchanged without it
-
+# -- units, fragments and the schedule (no processes) ------------------------------------
 
 def test_fragments_follow_the_units_and_sync_once_per_h():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
@@ -384,3 +342,37 @@ def test_diloco_with_fsdp_inside_each_group(tmp_path):
         assert sum(losses[-4:]) < sum(losses[:4])  # it trains
         assert refusal is not None and "over 2 replica group(s)" in refusal
         assert "\n" not in refusal
+
+
+def inside_worker(rank, world_size, inside):
+    """paratrain's GPT with ``inside`` (tp=2 or cp=2) in each of 2 groups; the local
+    parameters after each step."""
+    from paratrain.models import GPT
+
+    _init_group(world_size)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 32, (64, 9), generator=g)
+    data = TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    history = []
+
+    def make():
+        torch.manual_seed(0)
+        return GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+    def gpt_loss(logits, y):
+        return F.cross_entropy(logits.reshape(-1, 32), y.reshape(-1))
+
+    train(Parallel(dp_replicate=2, semi_sync=DiLoCo(every=2), **inside), make=make,
+          data=data, loss_fn=gpt_loss, optimizer="adamw", lr=0.01,
+          every_step=lambda run, model, loss: history.append(local_params(model)))
+    return history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inside", [{"tp": 2}, {"cp": 2}], ids=["tp", "cp"])
+def test_diloco_with_tensor_or_context_parallel_inside_each_group(inside):
+    results = spawn(inside_worker, 4, inside, timeout=300)
+    for rank in (0, 1):  # the tp / cp peers of a group; rank + 2 is the other group's
+        for step, (mine, peer) in enumerate(zip(results[rank], results[rank + 2]), 1):
+            same = all(torch.equal(mine[n], peer[n]) for n in mine)
+            assert same == (step % 2 == 0), step
