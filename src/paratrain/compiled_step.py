@@ -77,7 +77,8 @@ def strategy_blocker(strategy: Strategy) -> str | None:
         return ("sequence parallel completes the gradients across tensor peers in its "
                 "optimizer step (communication)")
     return (f"strategy {strategy.name!r} steps through its own code, not "
-            "optimizer.step() (it communicates: a parameter server pushes the gradients)")
+            "optimizer.step() (its step communicates: a parameter server's push, a "
+            "semi-synchronous outer step)")
 
 
 def optimizer_blocker(optimizer: torch.optim.Optimizer) -> str | None:
