@@ -287,6 +287,8 @@ def test_cli_scaling_table(capsys):
     (["--inter-node", "nvlink"], "--inter-node"),
     (["--precision", "fp8"], "--precision"),
     (["--device", "tpu"], "--device"),
+    (["--semi-sync", "0"], "--semi-sync"),
+    (["--semi-sync", "50"], "--semi-sync"),  # one node: no replica groups to sync
 ])
 def test_cli_new_flags_fail_in_one_line(argv, flag, capsys):
     assert main(["--num-parameters", "1000", *argv]) == 2

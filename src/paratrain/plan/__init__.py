@@ -5,7 +5,8 @@ An analytic model (``docs/plan.md``) that launches no processes: calibration in
 memory in :mod:`~paratrain.plan.memory`, one cost model per strategy in
 :mod:`~paratrain.plan.costs` (named by the strategy table), the planner in :mod:`~paratrain.plan.model`,
 the report in :mod:`~paratrain.plan.report`, node-count scaling in
-:mod:`~paratrain.plan.scaling`; the command line in :mod:`~paratrain.plan.cli`.
+:mod:`~paratrain.plan.scaling`, semi-synchronous rows (LocalSGD, DiLoCo) in
+:mod:`~paratrain.plan.semi_sync`; the command line in :mod:`~paratrain.plan.cli`.
 
 Example::
 
@@ -33,6 +34,7 @@ from paratrain.plan.links import PRESETS, LinkPreset, link_preset
 from paratrain.plan.model import STRATEGIES, plan, predict
 from paratrain.plan.report import PlanReport
 from paratrain.plan.scaling import format_scaling, plan_scaling
+from paratrain.plan.semi_sync import plan_semi_sync, semi_sync_row
 from paratrain.plan.types import Hardware, ModelProfile, Prediction
 from paratrain.units import (
     format_bytes,
@@ -47,6 +49,6 @@ __all__ = [
     "PlanReport", "Prediction", "allgather_time", "allreduce_time", "calibrate", "ddp_buckets",
     "default_model", "exposed_comm_time", "format_bytes", "format_scaling", "format_seconds",
     "link_preset", "parse_bandwidth", "parse_duration", "parse_size", "plan", "plan_scaling",
-    "predict", "ps_comm_time", "reduce_scatter_time", "ring_allgather_time",
-    "ring_allreduce_time", "ring_reduce_scatter_time",
+    "plan_semi_sync", "predict", "ps_comm_time", "reduce_scatter_time", "ring_allgather_time",
+    "ring_allreduce_time", "ring_reduce_scatter_time", "semi_sync_row",
 ]

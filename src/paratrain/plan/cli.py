@@ -23,6 +23,7 @@ from paratrain.plan.links import PRESETS, link_preset, resolve_links
 from paratrain.plan.model import STRATEGIES
 from paratrain.plan.report import PlanReport
 from paratrain.plan.scaling import format_scaling, parse_node_counts, plan_scaling, scaling_dict
+from paratrain.plan.semi_sync import exposed_share, link_is_slow, plan_semi_sync
 from paratrain.plan.types import Hardware, ModelProfile
 from paratrain.units import (
     format_bytes,
@@ -122,6 +123,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=_POS_INT, metavar="E", help="experts per MoE layer "
                    "(with --sequence): also cost expert parallel (ep=2, ep=4)")
     p.add_argument("--top-k", type=_POS_INT, metavar="K", help="experts per token (default 1)")
+    p.add_argument("--semi-sync", type=_POS_INT, metavar="H", help="cost LocalSGD and DiLoCo "
+                   "syncing every H steps over the nodes (default: H = 10, 50, 100 when the "
+                   "inter-node link is slow for the model)")
     p.add_argument("--repeats", type=_POS_INT, default=3, help="timed calibration passes")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON ('-': stdout only)")
     return p
@@ -281,7 +285,26 @@ def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if cx is not None:
         data["context_experts"] = cx.to_dict()
         text = f"{text}\n\n{cx.format()}"
+    semi = _semi_sync(args, reports[0])
+    if semi is not None:
+        data["semi_sync"] = semi.to_dict()
+        text = f"{text}\n\n{semi.format()}"
     return data, text
+
+
+def _semi_sync(args: argparse.Namespace, report: PlanReport) -> Any:
+    """Semi-synchronous rows on the first --nodes count: those of --semi-sync H, else
+    H = 10, 50, 100 when the inter-node link is slow for the model; None otherwise."""
+    nodes = report.hardware.num_nodes
+    if args.semi_sync is None:
+        if not link_is_slow(report):
+            return None
+        return plan_semi_sync(report, why=f"shown because synchronous HSDP over the nodes "
+                              f"waits on communication {exposed_share(report):.0%} of its step")
+    if nodes < 2:
+        raise _UsageError(f"--semi-sync: needs 2+ nodes (one replica group per node); the "
+                          f"first --nodes count is {nodes}")
+    return plan_semi_sync(report, every=(args.semi_sync,), why=f"--semi-sync {args.semi_sync}")
 
 
 def _context_experts(args: argparse.Namespace, profile: ModelProfile, hardware: Hardware) -> Any:

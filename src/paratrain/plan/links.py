@@ -65,6 +65,8 @@ PRESETS: dict[str, LinkPreset] = {p.name: p for p in (
     LinkPreset(name="roce-400g", bandwidth=400e9 / 8, latency=14e-6, intra_node_only=False,
                source="IEEE 802.3bs (400 GbE); NVIDIA ConnectX-7 datasheet (RoCE)",
                latency_source=f"{_NCCL_LAT}, NET"),
+    LinkPreset(name="ethernet-1g", bandwidth=1e9 / 8, latency=50e-6, intra_node_only=False,
+               source="IEEE 802.3ab (1000BASE-T, 1 GbE)", latency_source=_TCP_LAT),
     LinkPreset(name="ethernet-10g", bandwidth=10e9 / 8, latency=50e-6, intra_node_only=False,
                source="IEEE 802.3ae (10 GbE)", latency_source=_TCP_LAT),
     LinkPreset(name="ethernet-25g", bandwidth=25e9 / 8, latency=50e-6, intra_node_only=False,
