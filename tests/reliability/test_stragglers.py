@@ -235,6 +235,25 @@ def test_the_forward_clock_times_training_forwards_only():
     assert detector.clock.read() == 0.0
 
 
+@pytest.mark.gpu
+def test_the_forward_clock_reads_cuda_events_at_a_check_only():
+    from paratrain.reliability.stragglers import ForwardClock
+
+    clock = ForwardClock(torch.device("cuda"))
+    a = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(3):
+        started = clock.start()
+        for _ in range(20):
+            a = torch.tanh(a @ a)
+        clock.stop(started)
+    seconds = clock.read()  # waits for the last end event only here
+    assert seconds > 0 and clock.read() == 0.0
+    started = clock.start()
+    clock.stop(started)
+    assert clock.read(discard=True) == 0.0 and len(clock._free) == 6  # events reused
+
+
 # -- three gloo ranks ------------------------------------------------------------------
 class _Sleepy(torch.nn.Linear):
     """A forward that takes ``delay`` seconds: compute without CPU contention."""
