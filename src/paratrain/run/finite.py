@@ -10,14 +10,19 @@ other pass over the gradients is made, and no value is changed.
 
 What it costs: one tiny kernel per micro-step on the device, and one small all-gather
 per optimizer step among the ranks that step together (one code per rank also names the
-ranks that saw it). ``stop`` and ``skip`` decide before the update, so they read the
-agreed flags on the host at once: free on CPU (gloo's collective returns on the host),
-one device wait per optimizer step on CUDA, like GradScaler's. Nothing cheaper stops
-before the update: a step has no host read of its own to share (no ``item()``, the
-clipping keeps its norm on the device) and ``optimizer.step`` cannot be made conditional
-on a device flag in general (only torch's fused optimizers take one). ``warn`` never
-acts before the update, so its flags are read one optimizer step later (or before a
-checkpoint, at the end of an epoch) from a copy made without waiting: no device wait.
+ranks that saw it). ``skip`` decides before the update, so it reads the agreed flags
+on the host at once: free on CPU (gloo's collective returns on the host), one device
+wait per optimizer step on CUDA, like GradScaler's. Nothing cheaper decides before the
+update: a step has no host read of its own to share (no ``item()``, the clipping keeps
+its norm on the device) and ``optimizer.step`` cannot be made conditional on a device
+flag in general (only torch's fused optimizers take one). ``stop`` decides before the
+update where the read is free (CPU): the parameters are then those before the bad step.
+On a GPU a wait per step would stop the host from queueing the next step while the
+device works (a launch-bound model loses most of its speed), so there ``stop``, like
+``warn``, reads its flags one optimizer step later (or before a checkpoint, at the end
+of an epoch) from a copy made without waiting, and stops before the *next* update, its
+line saying that the bad step's update was applied; ``nan="skip"`` is the exact choice
+there, at one device wait per step.
 Under a GradScaler (``16-mixed``) its own skips are counted instead: it already checks
 every gradient and decides alike on every rank.
 
@@ -89,6 +94,9 @@ class FiniteGuard:
         self._agree = agree
         self._rank = rank
         self._device = device
+        self.host_reads_free = torch.device(device).type == "cpu"
+        """Whether reading the agreed flags on the host costs no device wait (CPU):
+        ``stop`` then decides before the update, else one step late."""
         self._scaled = scaled
         self._records = records
         self._warn = warn
@@ -149,7 +157,8 @@ class FiniteGuard:
         if spikes is not None:  # each rank's row: its code and its loss of the group
             code = torch.cat([code.float(), spikes.take_loss(code.device)])
         rows = self._agree(code).reshape(-1, code.numel())  # every rank calls it, seen or not
-        if self.policy == "warn" and (spikes is None or spikes.policy == "warn"):
+        late = self.policy == "warn" or (self.policy == "stop" and not self.host_reads_free)
+        if late and (spikes is None or spikes.policy == "warn"):
             self._pending = _Pending(step, batch, loss_factor, *self._copy_to_host(rows))
             return False
         # stop and skip decide now, before the update: the one host read (a device wait
@@ -158,13 +167,20 @@ class FiniteGuard:
         return self._skipping
 
     def _decide(self, step: int, batch: tuple[int, int] | None, loss_factor: float,
-                rows: list[list[float]]) -> bool:
+                rows: list[list[float]], *, applied: bool = False) -> bool:
         """Act on one step's agreed rows; True when its update must be skipped."""
         bad = self._bad_rows([int(row[0]) for row in rows])
         if bad:
             self._record(step, batch, bad)
             where = f"{_describe(bad)} at step {step} on ranks {[r for _, r in bad]} " \
                     f"({_batch_text(batch)})"
+            if self.policy == "stop" and applied:
+                raise NonFiniteError(
+                    f"{where}, so training stopped before the next update; that step's was "
+                    "applied (on a GPU nan=\"stop\" reads its flags a step late so that no "
+                    "step waits for the device; nan=\"skip\" decides before the update); "
+                    "resume from the last checkpoint with a lower learning rate or that "
+                    "batch fixed")
             if self.policy == "stop":
                 raise NonFiniteError(
                     f"{where}, so training stopped before that step's update (the "
@@ -210,7 +226,7 @@ class FiniteGuard:
         # A host tensor, copied when that step's flags were agreed: reading it does not
         # wait for the device (``numpy`` is a view, unlike ``item``/``tolist``).
         self._decide(pending.step, pending.batch, pending.loss_factor,
-                     pending.flags.numpy().tolist())
+                     pending.flags.numpy().tolist(), applied=True)
 
     def take_epoch_skipped(self) -> int:
         """Skipped steps since the last call (the ``skipped_steps`` of an epoch's stats)."""
