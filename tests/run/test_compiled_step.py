@@ -228,8 +228,8 @@ def test_strategy_whose_step_communicates_is_one_line(monkeypatch):
     monkeypatch.setattr(SingleDevice, "optimizer_step", push)
     result = train({"backend": "eager", "optimizer": True}, optimizer="sgd")
     assert result.lines == [NOTICE + "strategy 'single' steps through its own code, not "
-                         "optimizer.step() (it communicates: a parameter server pushes the "
-                         "gradients)"]
+                         "optimizer.step() (its step communicates: a parameter server's push, "
+                         "a semi-synchronous outer step)"]
     assert result.compiled is None
     assert_eager(result, eager)
 

@@ -24,6 +24,15 @@ from paratrain.testing.numerics import REASSOCIATION
 VOCAB, WIDTH, LAYERS, LENGTH, BATCH, SAMPLES = 48, 32, 4, 16, 4, 32
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Dynamo's caches outlive a Run: earlier compiles of the same code in this process
+    # (other tests, other backends) would count against its recompile limit here.
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
