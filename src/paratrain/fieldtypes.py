@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import functools
 import math
 import numbers
@@ -31,10 +32,20 @@ import typing
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-__all__ = ["check_types", "describe", "field_types"]
+__all__ = ["check_types", "describe", "field_types", "from_fields"]
 
 _NONE = type(None)
 _PLURAL = {bool: "True/False values", int: "integers", float: "numbers", str: "strings"}
+
+
+def from_fields(cls: type, values: Mapping[str, Any], *, name: str) -> Any:
+    """``cls(**values)`` for an options dataclass, refusing unknown keys in one line that
+    names the option (``name``) and lists the known fields."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(str(k) for k in values if k not in known)
+    if unknown:
+        raise ValueError(f"{name} has unknown field(s) {unknown}; known: {', '.join(known)}")
+    return cls(**values)
 
 
 @functools.cache

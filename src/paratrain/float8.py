@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.fieldtypes import from_fields
+
 __all__ = ["HEAD_NAMES", "MIN_TORCHAO", "RECIPES", "Float8", "check_available", "convert",
            "float8_linears", "output_heads"]
 
@@ -101,11 +103,7 @@ class Float8:
         if not isinstance(value, dict):
             raise ValueError(f"float8 must be a dict such as {{'recipe': 'rowwise'}}, a "
                              f"paratrain.float8.Float8 or None, got {value!r}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(str(k) for k in value if k not in known)
-        if unknown:
-            raise ValueError(f"float8 has unknown field(s) {unknown}; known: {', '.join(known)}")
-        return cls(**value)
+        return from_fields(cls, value, name="float8")
 
     def skipped_names(self, model: nn.Module) -> tuple[str, ...]:
         """The patterns in force for ``model``: ``skip``, or its output head's name."""

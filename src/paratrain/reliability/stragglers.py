@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.fieldtypes import from_fields
+
 __all__ = ["Accusation", "StragglerDetector", "Stragglers", "describe", "judge"]
 
 PARTS = ("compute", "data")
@@ -85,12 +87,7 @@ class Stragglers:
         if not isinstance(value, dict):
             raise ValueError(f"stragglers must be True, False, None or a dict such as "
                              f"{{'check_every': 50, 'margin': 1.2}}, got {value!r}")
-        known = list(cls.__dataclass_fields__)
-        unknown = sorted(str(k) for k in value if k not in known)
-        if unknown:
-            raise ValueError(f"stragglers has unknown field(s) {unknown}; known: "
-                             f"{', '.join(known)}")
-        return cls(**value)
+        return from_fields(cls, value, name="stragglers")
 
 
 def median_of_others(values: Sequence[float], rank: int) -> float:

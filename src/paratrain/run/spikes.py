@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from paratrain.distributed.dtensor import local_piece
-from paratrain.fieldtypes import check_types
+from paratrain.fieldtypes import check_types, from_fields
 
 SPIKE_POLICIES = ("stop", "skip", "warn")
 
@@ -93,11 +93,7 @@ class Spike:
             raise ValueError(f"spike must be True, a dict such as {{'factor': 3, 'window': 50, "
                              f"'policy': 'skip'}}, a paratrain.run.spikes.Spike or None, "
                              f"got {value!r}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(str(k) for k in value if k not in known)
-        if unknown:
-            raise ValueError(f"spike has unknown field(s) {unknown}; known: {', '.join(known)}")
-        return cls(**value)
+        return from_fields(cls, value, name="spike")
 
 
 def new_state() -> dict[str, list[Any]]:
