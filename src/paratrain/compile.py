@@ -35,6 +35,8 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 """``torch.compile`` modes that record CUDA graphs."""
 _MODES = (None, "default", *CUDA_GRAPH_MODES, "max-autotune-no-cudagraphs")
 SCOPES = ("auto", "blocks", "model")
+_SPARE_RECOMPILES = 8  # Dynamo's own default limit: shapes, a dynamic recompile
+_COMPILED_PER_CODE: dict[Any, int] = {}  # modules compiled per forward code, this process
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,6 +227,11 @@ def compile_forward(module: nn.Module, options: CompileOptions) -> nn.Module:
     step's FLOPs are counted, the compiled call runs with the counter's dispatch mode
     stepped aside: under it Dynamo would not compile.
     """
+    code = getattr(type(module).forward, "__code__", type(module))
+    _COMPILED_PER_CODE[code] = _COMPILED_PER_CODE.get(code, 0) + 1
+    # Each module of a class may need its own graph of the shared code (a Hugging Face
+    # layer guards on its own KV-cache slot): room for all of them and some shapes.
+    _compat.allow_recompiles(_COMPILED_PER_CODE[code] + _SPARE_RECOMPILES)
     compiled = torch.compile(module.forward, **options.kwargs())
 
     def forward(*args: Any, **kwargs: Any) -> Any:

@@ -216,3 +216,37 @@ def test_epoch_stats_report_graphs_and_recompiles():
     run.close()
     assert stats["compile_s"] > 0
     assert stats["graphs"] == log.compiles == 2 and stats["recompiles"] == 1
+
+
+def test_more_hugging_face_blocks_than_dynamos_limit_all_compile():
+    # A Hugging Face layer guards on its own KV-cache slot: each block its own graph of
+    # the shared code. Past Dynamo's default limit (8) the later blocks ran eagerly, and
+    # their FLOPs were lost from the count.
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    def llama_run(compile):
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64,
+                             num_hidden_layers=12, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=LENGTH)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        log = GraphLog()
+        run = paratrain.Run(accelerator="cpu", progress=False, seed=1, peak_flops=1e12,
+                            compile={"backend": log.backend()} if compile else False)
+        model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        losses = []
+        for _ in run.epochs(1):
+            for (batch,) in run.loader(tokens(), batch_size=8):
+                out = model(input_ids=batch, labels=batch)  # keyword inputs, out.loss
+                run.backward(out.loss)
+                run.step(optimizer)
+                losses.append(out.loss.item())
+        flops = run.throughput.flops_per_sample
+        run.close()
+        return log, flops, losses
+
+    log, flops, losses = llama_run(True)
+    _, eager_flops, eager_losses = llama_run(False)
+    assert log.calls == 12 * (SAMPLES // 8)  # every block compiled, every step
+    assert flops == eager_flops
+    assert losses == pytest.approx(eager_losses, rel=REASSOCIATION)

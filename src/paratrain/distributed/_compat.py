@@ -19,7 +19,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_single", "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
     "flattened_group", "make_tensor_subclass", "shard_indices", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
-    "compile_backend", "compiled_by_user", "detect_fake_mode", "global_flop_counter", "is_fake", "torch_function_disabled", "transposed_linear_style",
+    "allow_recompiles", "compile_backend", "compiled_by_user", "detect_fake_mode", "global_flop_counter", "is_fake", "torch_function_disabled", "transposed_linear_style",
     "tree_leaves", "tree_map", "keep_forwards_only", "schedule_actions",
 ]
 
@@ -386,3 +386,19 @@ def compiled_by_user(module: torch.nn.Module) -> bool:
         OptimizedModule = ()  # noqa: N806  (no such class: only .compile() is seen)
     return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None)
                is not None for m in module.modules())
+
+
+def allow_recompiles(count: int) -> None:
+    """Let Dynamo keep at least ``count`` graphs of one function before it gives up.
+
+    Past its limit (8) Dynamo runs the function eagerly, silently: a model whose blocks
+    each specialise the shared block code (a Hugging Face layer updating its own slot of
+    the KV cache) would run its later blocks uncompiled.
+    """
+    try:
+        import torch._dynamo.config as dynamo_config
+    except ImportError:
+        return
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    if getattr(dynamo_config, name, count) < count:
+        setattr(dynamo_config, name, count)
