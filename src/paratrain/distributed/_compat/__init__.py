@@ -4,7 +4,8 @@ Private APIs change between torch releases without notice. Keeping them here mea
 torch upgrade that removes one breaks a single function, which then either degrades
 (returns "unknown") or raises one line naming the API and the torch version, instead
 of an AttributeError deep in a training step. ``tests/distributed/test_compat.py``
-exercises each function on the installed torch.
+exercises each function on the installed torch. The pipelining and compiler internals
+live in this package's two submodules and are re-exported here.
 """
 
 from __future__ import annotations
@@ -24,9 +25,17 @@ __all__ = [
 ]
 
 
-def _missing(api: str) -> RuntimeError:
-    return RuntimeError(f"torch {torch.__version__} lacks {api}, which paratrain needs here; "
-                        "install a torch version paratrain supports (>= 2.6)")
+from paratrain.distributed._compat.compiler import (
+    allow_recompiles,
+    compile_backend,
+    compiled_by_user,
+    detect_fake_mode,
+    global_flop_counter,
+    is_fake,
+    tree_leaves,
+)
+from paratrain.distributed._compat.errors import missing as _missing
+from paratrain.distributed._compat.pipelining import keep_forwards_only, schedule_actions
 
 
 def collective_sequence_number() -> int:
@@ -228,177 +237,3 @@ def transposed_linear_style(style: str, **options: Any) -> Any:
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
     return TransposedLinearStyle(**options)
-
-
-# -- pipeline schedules' action lists (torch.distributed.pipelining internals) ---------
-class _PlanningStage:
-    """What a schedule's constructor reads of a ``PipelineStage``, without a process group
-    (duck-typing the private ``_PipelineStageBase``): enough to build its action list."""
-
-    submod = None
-
-    def __init__(self, index: int, num_stages: int, num_ranks: int) -> None:
-        self.stage_index, self.num_stages = index, num_stages
-        self.group_size, self.group_rank = num_ranks, 0
-        self.is_first, self.is_last = index == 0, index == num_stages - 1
-
-
-def schedule_actions(class_name: str, num_ranks: int, microbatches: int,
-                     rank0_stages: Sequence[int]) -> dict[int, list[tuple[str, int, int]]]:
-    """Each rank's compute actions, in order, as torch's schedule ``class_name`` plans them.
-
-    The schedule is built on stand-in stages of rank 0 (``rank0_stages``; every rank's
-    plan is computed on every rank) and its ``pipeline_order`` (``_Action`` tuples,
-    private) read: ``(kind, stage, micro-batch)`` with kind ``F`` (forward), ``B`` (full
-    backward), ``I`` (backward for the input) or ``W`` (for the weights); an overlapped
-    forward + backward becomes its two parts; idle slots and gradient reductions are
-    dropped. ValueError (torch's message) where torch refuses the combination.
-    """
-    from torch.distributed import pipelining
-
-    cls = getattr(pipelining, class_name, None)
-    if cls is None:
-        raise _missing(f"torch.distributed.pipelining.{class_name}")
-    num_stages = num_ranks * len(rank0_stages)
-    stages = [_PlanningStage(i, num_stages, num_ranks) for i in rank0_stages]
-    single = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
-    schedule = cls(stages[0] if single else stages, n_microbatches=microbatches)
-    order = getattr(schedule, "pipeline_order", None)
-    if not isinstance(order, dict):
-        raise _missing(f"{class_name}.pipeline_order")
-
-    def flat(action: Any) -> list[tuple[str, int, int]]:
-        if action is None:
-            return []
-        if getattr(action, "sub_actions", None):
-            return [a for sub in action.sub_actions for a in flat(sub)]
-        kind = getattr(action.computation_type, "value", None)
-        return ([(kind, action.stage_index, action.microbatch_index)]
-                if kind in ("F", "B", "I", "W") else [])
-
-    return {rank: [a for action in order[rank] for a in flat(action)]
-            for rank in sorted(order)}
-
-
-def keep_forwards_only(schedule: Any) -> Any:
-    """``schedule`` (a multi-stage torch schedule, built) reduced to its forward actions.
-
-    torch's runtime runs a V schedule's backward actions even without a loss (it hands
-    the gradient between the two stages of one rank, which fails when there is none):
-    evaluation keeps the forwards of the plan lowered to communication
-    (``pipeline_order_with_comms``, private) with their sends and receives, in order.
-    """
-    order = getattr(schedule, "pipeline_order_with_comms", None)
-    if not isinstance(order, dict):
-        raise _missing(f"{type(schedule).__name__}.pipeline_order_with_comms")
-    keep = ("F", "SEND_F", "RECV_F", "UNSHARD", "RESHARD")
-
-    def forwards(action: Any) -> list[Any]:
-        if getattr(action, "sub_actions", None):
-            return [a for sub in action.sub_actions for a in forwards(sub)]
-        return [action] if getattr(action.computation_type, "value", None) in keep else []
-
-    schedule.pipeline_order_with_comms = {
-        rank: [a for action in actions for a in forwards(action)]
-        for rank, actions in order.items()}
-    return schedule
-
-
-# -- compile: the compiler's fake tensors and backends (paratrain.compile, flop_counter) --
-def tree_leaves(tree: Any) -> list[Any]:
-    """Every leaf of nested lists/tuples/dicts/model outputs (torch's pytree)."""
-    try:
-        from torch.utils._pytree import tree_leaves as torch_tree_leaves
-    except ImportError:
-        raise _missing("torch.utils._pytree.tree_leaves") from None
-    return torch_tree_leaves(tree)
-
-
-def detect_fake_mode(inputs: Sequence[Any]) -> Any:
-    """The fake-tensor mode of a compiler's example inputs, or None."""
-    try:
-        from torch._guards import detect_fake_mode as torch_detect_fake_mode
-    except ImportError:
-        return None  # degrades: the graph's FLOPs are then unknown
-    return torch_detect_fake_mode(inputs)
-
-
-def is_fake(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a fake tensor (a compiler's stand-in without data)."""
-    try:
-        from torch._subclasses.fake_tensor import is_fake as torch_is_fake
-    except ImportError:
-        return False
-    return bool(torch_is_fake(tensor))
-
-
-def compile_backend(backend: Any, *, mode: str | None, options: dict[str, Any] | None,
-                    dynamic: bool | None) -> Callable[..., Any]:
-    """The compiler ``torch.compile(backend=..., mode=..., options=...)`` would call.
-
-    Built as ``torch.compile`` builds it, so that a wrapper around it (the FLOP count)
-    keeps what ``mode`` and ``options`` mean for inductor (its config patches).
-    """
-    if backend == "inductor":
-        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
-        if wrapper is None:
-            raise _missing("torch._TorchCompileInductorWrapper")
-        return wrapper(mode, options, dynamic)
-    wrapper = getattr(torch, "_TorchCompileWrapper", None)
-    if wrapper is None:
-        raise _missing("torch._TorchCompileWrapper")
-    return wrapper(backend, mode, options, dynamic)
-
-
-class _GlobalOnly:
-    """Stands in for FlopCounterMode's module tracker: every FLOP is the model's."""
-
-    parents = frozenset({"Global"})
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None
-
-
-def global_flop_counter() -> Any:
-    """A ``FlopCounterMode`` that counts the total only, without tracking modules.
-
-    Its module tracker hooks every module's inputs with multi-grad hooks, which
-    ``torch.autograd.grad`` refuses (the pipelining schedules' backward uses it); the
-    total needs no tracking. Where the tracker's attribute is gone, the plain counter.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    if hasattr(counter, "mod_tracker"):
-        counter.mod_tracker = _GlobalOnly()
-    return counter
-
-
-def compiled_by_user(module: torch.nn.Module) -> bool:
-    """Whether ``module`` or a submodule was compiled by the script itself
-    (``torch.compile(module)``, an ``OptimizedModule``, or ``module.compile()``)."""
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:
-        OptimizedModule = ()  # noqa: N806  (no such class: only .compile() is seen)
-    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None)
-               is not None for m in module.modules())
-
-
-def allow_recompiles(count: int) -> None:
-    """Let Dynamo keep at least ``count`` graphs of one function before it gives up.
-
-    Past its limit (8) Dynamo runs the function eagerly, silently: a model whose blocks
-    each specialise the shared block code (a Hugging Face layer updating its own slot of
-    the KV cache) would run its later blocks uncompiled.
-    """
-    try:
-        import torch._dynamo.config as dynamo_config
-    except ImportError:
-        return
-    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
-    if getattr(dynamo_config, name, count) < count:
-        setattr(dynamo_config, name, count)
