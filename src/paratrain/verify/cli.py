@@ -17,6 +17,7 @@ from paratrain.verify.probe import (
     ProbeSetup,
     resolve_accelerator,
 )
+from paratrain.verify.replay import verify_replay
 from paratrain.verify.resume import verify_resume
 from paratrain.verify.runner import (
     DEFAULT_FACTORIZATIONS,
@@ -54,13 +55,18 @@ def _options(text: str) -> dict[str, Any]:
 
 
 def _resume_factorizations(args: argparse.Namespace) -> list[Factorization]:
-    """--resume checks each factorization on its own: no reference, no shared global batch."""
+    """--resume (and --replay) check each factorization on its own: no reference, no shared
+    global batch."""
+    flag, what = (("--replay", "a replayed step must equal the first run") if args.replay
+                  else ("--resume", "a resumed run must equal the uninterrupted one"))
+    if args.resume and args.replay:
+        raise ValueError("--resume and --replay are separate checks; give one of them")
     if args.tolerance is not None:
-        raise ValueError("--tolerance does not apply to --resume: a resumed run must equal "
-                         "the uninterrupted one bitwise; leave --tolerance out")
+        raise ValueError(f"--tolerance does not apply to {flag}: {what} bitwise; "
+                         "leave --tolerance out")
     if args.no_dropout:
-        raise ValueError("--no-dropout does not apply to --resume: dropout must resume exactly "
-                         "too; leave --no-dropout out")
+        raise ValueError(f"--no-dropout does not apply to {flag}: dropout must {flag[2:]} "
+                         "exactly too; leave --no-dropout out")
     items = (args.factorizations or RESUME_FACTORIZATION).split(",")
     return list(dict.fromkeys(Factorization.parse(item) for item in items))
 
@@ -79,12 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--factorizations", default=None,
         help="comma-separated WORLDxMICROxACCUM with one global batch (default "
-             f"{','.join(DEFAULT_FACTORIZATIONS)}; with --resume {RESUME_FACTORIZATION})")
+             f"{','.join(DEFAULT_FACTORIZATIONS)}; with --resume or --replay "
+             f"{RESUME_FACTORIZATION})")
     add("--steps", type=int, default=3,
         help="optimizer steps per probe (with --resume: steps before the checkpoint)")
     add("--resume", action="store_true",
         help="check instead that a run stopped after --steps steps and resumed from its "
              "checkpoint continues bitwise equal to an uninterrupted run")
+    add("--replay", action="store_true",
+        help="check instead that --steps steps trained twice give bitwise equal digests of "
+             "losses, gradients, buffers and parameters, and that replicas agree across ranks")
     add("--tolerance", type=float, default=None, help="max relative difference (default by precision)")
     add("--precision", default="32")
     add("--accelerator", default="auto",
@@ -105,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``paratrain verify``: print the report; exit 1 if a factorization is flagged (or,
-    with ``--resume``, if a resumed run differs)."""
+    with ``--resume``, if a resumed run differs; with ``--replay``, if a digest differs)."""
     args = build_parser().parse_args(argv)
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # MODULE:FN in the current folder
@@ -122,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            strategy_options=_options(args.strategy_options),
                            accelerator=args.accelerator,
                            timeout_s=args.timeout, **fields)
-        if args.resume:
+        if args.resume or args.replay:
             factorizations = _resume_factorizations(args)
         else:
             factorizations = parse_factorizations(
@@ -135,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             find_fashion_mnist()
         if args.resume:
             report = verify_resume(setup, factorizations=factorizations)
+        elif args.replay:
+            report = verify_replay(setup, factorizations=factorizations)
         else:
             report = verify(setup, factorizations=factorizations, tolerance=args.tolerance,
                             no_dropout=args.no_dropout)

@@ -21,7 +21,7 @@ __all__ = [
     "all_gather_single", "collective_sequence_number", "ddp_buffer_sync_kwargs", "default_store",
     "flattened_group", "make_tensor_subclass", "shard_indices", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
     "allow_recompiles", "compile_backend", "compiled_by_user", "detect_fake_mode", "global_flop_counter", "is_fake", "torch_function_disabled", "transposed_linear_style",
-    "tree_leaves", "tree_map", "keep_forwards_only", "schedule_actions",
+    "tree_leaves", "tree_map", "keep_forwards_only", "schedule_actions", "hash_tensor",
 ]
 
 
@@ -123,6 +123,19 @@ def in_backward() -> bool:
     if task is None:
         raise _missing("torch._C._current_graph_task_id")
     return task() != -1
+
+
+def hash_tensor(tensor: torch.Tensor) -> int | None:
+    """``torch.hash_tensor`` (an xor of the elements' 64-bit patterns, reduced where the
+    tensor lives) as an int; None where this torch lacks it or the dtype (float8, complex)
+    or an empty tensor is refused, so the caller falls back to hashing the bytes."""
+    hasher = getattr(torch, "hash_tensor", None)
+    if hasher is None or tensor.numel() == 0:
+        return None
+    try:
+        return int(hasher(tensor))
+    except (NotImplementedError, RuntimeError, TypeError):
+        return None
 
 
 def rebind_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
