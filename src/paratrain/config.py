@@ -79,6 +79,12 @@ class RunConfig:
     ``margin``, ``patience``, ``min_share``). Multi-rank jobs where every rank takes every
     step; see docs/reliability.md."""
 
+    fault_tolerance: Any = None
+    """Options of fault-tolerant training across replica groups (torchft): a
+    :class:`paratrain.FaultTolerance` or a dict of its fields; used when the job is
+    started with ``paratrain launch --fault-tolerant`` (defaults then, when None). See
+    docs/reliability.md."""
+
     checkpoint_activations: Any = None
     """Submodules whose activations are recomputed in backward to save memory: a
     module class, a class name, a dotted-path glob, a predicate ``fn(module) -> bool``
@@ -205,6 +211,9 @@ class RunConfig:
         from paratrain.reliability.stragglers import Stragglers
 
         object.__setattr__(self, "stragglers", Stragglers.parse(self.stragglers))
+        from paratrain.fault_tolerance.options import FaultTolerance
+
+        object.__setattr__(self, "fault_tolerance", FaultTolerance.coerce(self.fault_tolerance))
         from paratrain.activation_checkpointing import validate_spec
 
         validate_spec(self.checkpoint_activations)

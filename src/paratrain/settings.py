@@ -48,6 +48,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "parallel": ("PARATRAIN_PARALLEL",
                  "the layout as degrees (`dp_shard=2,tp=2`) when `Run(parallel=...)` is not given "
                  "(set by `paratrain launch --parallel`)"),
+    "replica_group": ("PARATRAIN_REPLICA_GROUP",
+                      "`GROUP/GROUPS`: this process's replica group of a fault-tolerant job "
+                      "(set by `paratrain launch --fault-tolerant`)"),
+    "lighthouse": ("PARATRAIN_LIGHTHOUSE",
+                   "the torchft lighthouse's address (set by `paratrain launch --fault-tolerant`)"),
     "data_dir": ("PARATRAIN_DATA_DIR", "where `paratrain.datasets` looks for Fashion-MNIST first"),
     "kill_rank": ("PARATRAIN_KILL_RANK", "fault injection: the rank the two below apply to"),
     "kill_at_step": ("PARATRAIN_KILL_AT_STEP", "fault injection: SIGKILL after this step"),
@@ -88,6 +93,8 @@ class Settings:
     launched: bool = False
     ps_servers: int | None = None
     parallel: str | None = None
+    replica_group: str | None = None
+    lighthouse: str | None = None
     data_dir: str | None = None
     kill_rank: int | None = None
     kill_at_step: int | None = None
@@ -124,6 +131,8 @@ class Settings:
             launched=raw("launched") == "1",
             ps_servers=_ps_servers(env),
             parallel=raw("parallel") or None,
+            replica_group=raw("replica_group") or None,
+            lighthouse=raw("lighthouse") or None,
             data_dir=raw("data_dir") or None,
             kill_rank=_int(env, VARIABLES["kill_rank"][0]),
             kill_at_step=_int(env, VARIABLES["kill_at_step"][0]),

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import psutil
 
 from paratrain.distributed.device import cpu_threads_per_process, free_port
-from paratrain.launch import kubernetes, preflight, slurm
+from paratrain.launch import fault_tolerant, kubernetes, preflight, slurm
 from paratrain.launch import report as launch_report
 from paratrain.launch import worker as launch_worker
 from paratrain.launch.argv import misplaced_flags_notice
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--share-gpus", action="store_true",
         help="allow more processes than GPUs per node (round-robin, gloo); for testing only")
     preflight.add_arguments(parser)
+    fault_tolerant.add_arguments(parser)
     add("-m", "--module", action="store_true", help="run SCRIPT as a Python module")
     add("--no-python", "--no_python", action="store_true", help="run SCRIPT as an executable")
     add("script", help="training script (or module with -m)")
@@ -298,6 +299,8 @@ def _main(argv: Sequence[str] | None) -> int:
     parser, given = build_parser(), list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(given)
     try:  # a Kubeflow pod's PET_* / WORLD_SIZE+RANK fill the flags not given
+        if (code := fault_tolerant.launch(args, given)) is not None:
+            return code  # the lighthouse and a launch per replica group, all ended
         for notice in kubernetes.apply(args, kubernetes.explicit_options(parser, given),
                                        kubernetes.detect(os.environ)):
             print(f"paratrain launch: {notice}", file=sys.stderr, flush=True)

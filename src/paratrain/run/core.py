@@ -32,6 +32,7 @@ from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler, check_map_style
 from paratrain.distributed import _compat
 from paratrain.distributed.process_group import destroy_process_group
+from paratrain.fault_tolerance.quorum import replica_groups
 from paratrain.reliability import signals
 from paratrain.reliability.stragglers import StragglerDetector
 from paratrain.run import collective_calls, hooks, misuse
@@ -46,11 +47,7 @@ from paratrain.run.seeding import seed_everything
 from paratrain.run.state import RunState
 from paratrain.run.step import TrainStep
 from paratrain.settings import Settings
-from paratrain.strategies.capabilities import (
-    OrdersParallelisms,
-    ServerRole,
-    strategy_metrics,
-)
+from paratrain.strategies.capabilities import OrdersParallelisms, ServerRole, strategy_metrics
 from paratrain.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -71,7 +68,7 @@ class Run(TrainStep, Metrics, Pretrained):
         float8: Any = None, tf32: bool = True,
         accumulate: int = 1, max_grad_norm: float | None = None, nan: str = "stop",
         spike: Any = None,
-        stragglers: Any = True,
+        stragglers: Any = True, fault_tolerance: Any = None,
         checkpoint_activations: Any = None, seed: int = 0, timeout_s: float | None = None,
         accelerator: str = "auto", checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None, keep_checkpoints: int = 2,
@@ -133,7 +130,10 @@ class Run(TrainStep, Metrics, Pretrained):
             self.config.stragglers, health=self._health, device=self.device,
             lockstep=self.strategy.data_parallel_size == self.world_size,
             print_fn=self.print, log=self.reporter.log)
+        self._replicas = replica_groups(self.config.fault_tolerance, settings, self.topology,
+                                        self.print, self.strategy)  # torchft: one per group
         self._after_step: list[AfterStep] = [
+            self._replicas.next_step,  # the next step's quorum, before anything else
             FaultHook(parts.faults),
             HealthHook(self._health),
             hooks.StragglerHook(self._stragglers, lambda: self._train_loader),
@@ -266,9 +266,11 @@ class Run(TrainStep, Metrics, Pretrained):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         check_map_style(dataset, "run.loader()" if train else "run.eval_loader()")
+        rank, replicas = self.strategy.data_parallel_rank, self.strategy.data_parallel_size
+        if train:  # fault tolerant: each replica group its share (evaluation: every group all)
+            rank, replicas = self._replicas.data_shard(rank, replicas)
         sampler = ShardedSampler(
-            len(dataset), num_replicas=self.strategy.data_parallel_size,
-            rank=self.strategy.data_parallel_rank, shuffle=shuffle, seed=self.config.seed,
+            len(dataset), num_replicas=replicas, rank=rank, shuffle=shuffle, seed=self.config.seed,
             drop_last=drop_last, pad=pad, batch_size=batch_size,
         )
         loader = build_loader(
@@ -296,6 +298,7 @@ class Run(TrainStep, Metrics, Pretrained):
         """
         misuse.check_num_epochs(num_epochs)
         self.state.maybe_resume(num_epochs)  # says so when the checkpoint is already done
+        self._join_replica_groups()  # fault tolerant: a group that came back heals here
         while self.state.epoch < num_epochs:
             epoch = self.state.epoch
             self._epoch_start = (self.state.start_epoch(epoch), time.perf_counter())
@@ -378,6 +381,7 @@ class Run(TrainStep, Metrics, Pretrained):
         self.state.release()
         # After a lost peer the pending agreement can only time out: do not wait for it.
         self._stop.close(wait=not self._peer_lost)
+        self._replicas.close()
         self.strategy.teardown()
         self.precision.restore()
         if self._owns_group:

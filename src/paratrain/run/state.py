@@ -97,6 +97,10 @@ class RunState:
         self.loaders.start_epoch(epoch, offset)
         return offset
 
+    def resume_at(self, cursor: DataCursor) -> None:
+        """Continue at ``cursor`` (a healing peer's position), as a checkpoint would."""
+        self.epoch, self._resume_cursor = cursor.epoch, cursor
+
     def maybe_resume(self, num_epochs: int | None = None) -> None:
         """Resume once from the newest usable checkpoint in ``checkpoint_dir``, if there is one.
 

@@ -21,6 +21,7 @@ from paratrain.run import misuse
 from paratrain.run.build import guard_peers
 from paratrain.run.finite import FiniteGuard
 from paratrain.run.prepared import PreparedOptimizers, SchedulerSteps
+from paratrain.run.seeding import seed_everything
 from paratrain.run.spikes import spike_guard
 from paratrain.strategies.capabilities import require_compile
 
@@ -48,6 +49,22 @@ class TrainStep:
             records=self.state.nonfinite_batches, warn=self.print,
             spikes=spike_guard(self.config.spike, self.state.loss_spikes, self.print))
         self._compiled_step: CompiledOptimizerStep | None = None  # compile['optimizer']
+
+    def _join_replica_groups(self) -> None:
+        """Fault tolerant: the first quorum; a group that came back resumes at its healing
+        peer's data cursor, with fresh random streams (as after a resume on another world
+        size), since its own streams died with it."""
+        cursor = self._replicas.join(self.state, self.precision, self._data_cursor,
+                                     restarted=self.settings.restart_count > 0)
+        if cursor is not None:
+            self.state.resume_at(cursor)
+            seed_everything(self.config.seed + 1 + self.strategy.random_stream_rank
+                            + 7919 * self.state.global_step)
+
+    def _data_cursor(self) -> DataCursor:
+        loader = self._train_loader
+        return loader.cursor if loader is not None else DataCursor(epoch=self.state.epoch,
+                                                                   offset=0)
 
     def _bar_rates(self, samples_per_s: float) -> dict[str, float | None]:
         """The progress bar's rates (:class:`~paratrain.run.flops.Throughput`) and the
@@ -162,6 +179,7 @@ class TrainStep:
                 for p in model.parameters():
                     if p.grad is not None:
                         p.grad.mul_(correction)
+        self._replicas.average_gradients(self.state.models)  # over replica groups (torchft)
         if self.config.max_grad_norm is not None:
             # The norm must be of the true gradients, so the scaler's factor goes first.
             self.precision.unscale(optimizer)
@@ -173,11 +191,14 @@ class TrainStep:
         step = self.state.global_step + 1
         # nan="skip": a non-finite step is not applied (grads zeroed, schedulers held).
         skip = self._finite.before_update(step, self._train_loader, loss_factor=correction)
+        committed = self._replicas.commit(step)  # False: a replica group failed in this step
+        skip = skip or not committed
         if skip:  # no update; a GradScaler still checks the gradients and updates its scale
             self.precision.step(optimizer, lambda: None)
         step_with = self._compiled_step or self.strategy.optimizer_step
         stepped = not skip and self.precision.step(optimizer, lambda: step_with(optimizer))
-        self._finite.after_update(stepped, step)
+        if committed:  # an uncommitted step is not the loss scaler's skip
+            self._finite.after_update(stepped, step)
         if self._compiled_step is not None and stepped:  # the first step compiled it
             self._stop_compile_clock()
         optimizer.zero_grad(set_to_none=True)
@@ -186,9 +207,7 @@ class TrainStep:
                 scheduler.step()
             self._scheduler_steps.stepped(self.state.schedulers, step)
         self.state.global_step += 1
-        loader = self._train_loader
-        cursor = loader.cursor if loader is not None else DataCursor(epoch=self.state.epoch,
-                                                                     offset=0)
+        cursor = self._data_cursor()
         for hook in self._after_step:
             hook(self.state.global_step, cursor)
 

@@ -1,0 +1,234 @@
+"""The replica axis of a fault-tolerant job, through torchft's ``Manager``.
+
+One :class:`ReplicaQuorum` per rank. Each step consumes one quorum: the first is formed
+when training starts (:meth:`join`, where a group that comes back heals from a live peer
+and resumes at that peer's data cursor, as from a checkpoint), the next ones right after
+each optimizer step (:meth:`next_step`). Between them the step's gradients are averaged
+over the groups in the quorum (:meth:`average_gradients`) and the groups vote on the
+update (:meth:`commit`): a group whose collective failed (a peer died mid-step) does not
+apply it, and is healed from a peer at the next quorum. Quorums are synchronous
+(``use_async_quorum=False``): a healed group computes its next gradients on the healed
+weights, so every group in a quorum contributes.
+
+Rank ``i`` of a group talks to rank ``i`` of the others (torchft's process group per
+group rank), so any layout inside a group (one rank, DDP, FSDP: HSDP across groups)
+averages its local gradients, or gradient shards, with its counterparts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from paratrain.data.loader import DataCursor
+from paratrain.fault_tolerance import heal
+from paratrain.fault_tolerance.options import FaultTolerance, ReplicaGroup
+
+__all__ = ["LighthouseUnreachable", "NoReplicaGroups", "ReplicaQuorum", "replica_groups"]
+
+
+class LighthouseUnreachable(RuntimeError):
+    """The first quorum failed: the lighthouse or the other groups cannot be reached."""
+
+
+def _grads(models: list[nn.Module]) -> list[torch.Tensor]:
+    grads = [p.grad for m in models for p in m.parameters() if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
+class ReplicaQuorum:
+    """This rank's view of the replica groups: quorum, gradient average, commit, heal."""
+
+    def __init__(self, options: FaultTolerance, group: ReplicaGroup, *, rank: int,
+                 world_size: int, device: torch.device, print_fn: Callable[[str], None]) -> None:
+        self.options, self.group = options, group
+        self._rank, self._world_size, self._device = rank, world_size, device
+        self._print = print_fn
+        self._manager: Any = None
+        self._store: Any = None
+        self._state: Any = None
+        self._precision: Any = None
+        self._cursor: Callable[[], DataCursor] | None = None
+        self._healed: DataCursor | None = None
+        self._groups = 0  # groups in the last quorum, for the timeline
+        self.uncommitted_steps: list[int] = []
+        """Steps whose update no group applied here (a group failed during them)."""
+
+    def data_shard(self, rank: int, size: int) -> tuple[int, int]:
+        """The sampler's ``(rank, size)`` over all groups, from the group's own: group ``g``
+        reads the ``g``-th share of every global batch, whichever groups are alive."""
+        return self.group.index * size + rank, self.group.count * size
+
+    def notice(self) -> str:
+        return (f"fault tolerant: replica group {self.group.index} of {self.group.count}, "
+                f"lighthouse {self.group.lighthouse}, at least {self.options.min_groups} "
+                "group(s) per step")
+
+    # -- the quorum -------------------------------------------------------------------
+    def _create_manager(self) -> Any:
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+
+        opts = self.options
+        where: dict[str, Any] = {}
+        if self._world_size == 1:
+            # A one-rank group has no process group, so no rendezvous store to share
+            # with torchft (torchrun's agent keeps one only without --max-restarts).
+            import torch.distributed as dist
+
+            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            where = {"store_addr": "127.0.0.1", "store_port": self._store.port}
+        pg_class = ProcessGroupNCCL if self._device.type == "cuda" else ProcessGroupGloo
+        return Manager(
+            pg=pg_class(timeout=timedelta(seconds=opts.collective_timeout_s)),
+            load_state_dict=self._load, state_dict=self._snapshot,
+            min_replica_size=opts.min_groups, use_async_quorum=False,
+            timeout=timedelta(seconds=opts.step_timeout_s),
+            quorum_timeout=timedelta(seconds=opts.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=opts.connect_timeout_s),
+            rank=self._rank, world_size=self._world_size,
+            lighthouse_addr=self.group.lighthouse,
+            replica_id=f"paratrain_group_{self.group.index}", **where,
+            init_sync=True)  # else a group restarted at step 0 would not heal
+
+    def _snapshot(self) -> dict[str, Any]:
+        return heal.snapshot(self._state, self._precision, self._cursor())
+
+    def _load(self, received: dict[str, Any]) -> None:
+        self._healed = heal.restore(self._state, self._precision, received)
+
+    def _quorum(self, step: int) -> DataCursor | None:
+        """Form the quorum of the next step; the cursor of a healing peer, if healed."""
+        self._healed = None
+        started = time.perf_counter()
+        self._manager.start_quorum()
+        groups = self._manager.num_participants()
+        if groups != self._groups and self._groups:
+            change = "left" if groups < self._groups else "joined"
+            self._print(f"fault tolerance: step {step}: {abs(groups - self._groups)} replica "
+                        f"group(s) {change}; {groups} of {self.group.count} in the quorum")
+        self._groups = groups
+        healed = self._healed
+        if healed is not None and self._state.global_step > 0:  # step 0: the start's sync
+            self._print(f"fault tolerance: replica group {self.group.index} healed from a live "
+                        f"peer at step {self._state.global_step} (weights, optimizer, data "
+                        f"cursor) in {time.perf_counter() - started:.2f} s")
+        return healed
+
+    def join(self, state: Any, precision: Any, cursor: Callable[[], DataCursor], *,
+             restarted: bool = False) -> DataCursor | None:
+        """The first quorum, when training starts: the data cursor to resume at if this
+        group healed from a peer (it came back), else None.
+
+        A job's first start waits (up to ``quorum_timeout_s``) until every group is in the
+        quorum, so that no group trains ahead alone; a restarted group joins whatever
+        quorum the others are in.
+        """
+        if self._manager is not None:
+            return None
+        self._state, self._precision, self._cursor = state, precision, cursor
+        try:
+            self._manager = self._create_manager()
+            healed = self._quorum(state.global_step)
+            deadline = time.monotonic() + self.options.quorum_timeout_s
+            while (not restarted and self._groups < self.group.count
+                   and time.monotonic() < deadline):
+                healed = self._quorum(state.global_step) or healed
+            return healed
+        except (RuntimeError, TimeoutError) as exc:
+            detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise LighthouseUnreachable(
+                f"replica group {self.group.index} could not join a quorum at the lighthouse "
+                f"{self.group.lighthouse} within {self.options.quorum_timeout_s:g} s "
+                f"({detail}); start the lighthouse (`paratrain launch --fault-tolerant` starts "
+                "one) or pass its address with --lighthouse") from None
+
+    def average_gradients(self, models: list[nn.Module]) -> None:
+        """Average this rank's gradients with its counterparts in the quorum's groups."""
+        grads = _grads(models)
+        if not grads:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        for group in by_dtype.values():  # one flat buffer per dtype: one collective each
+            flat = torch.cat([g.reshape(-1) for g in group])
+            self._manager.allreduce(flat).wait()
+            offset = 0
+            for grad in group:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+    def commit(self, step: int) -> bool:
+        """The groups' vote on applying this step's update; False: this group skips it."""
+        committed = bool(self._manager.should_commit())
+        if not committed:
+            self.uncommitted_steps.append(step)
+            self._print(f"fault tolerance: step {step} not committed (a replica group failed "
+                        "during it); its update is skipped here and the group heals if behind")
+        return committed
+
+    def next_step(self, step: int, cursor: DataCursor) -> None:
+        """After-step hook: the quorum of the next step (a group behind heals here, keeping
+        its own data position: its loader is already running)."""
+        if self._quorum(step) is not None:
+            self._print(f"fault tolerance: replica group {self.group.index} keeps its data "
+                        f"position (epoch {cursor.epoch}, sample {cursor.offset})")
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+            self._manager = None
+
+
+class NoReplicaGroups:
+    """A job without fault tolerance: one group, nothing to average, every step commits."""
+
+    uncommitted_steps: list[int] = []
+
+    def data_shard(self, rank: int, size: int) -> tuple[int, int]:
+        return rank, size
+
+    def notice(self) -> None:
+        return None
+
+    def join(self, state: Any, precision: Any, cursor: Any, *, restarted: bool = False) -> None:
+        return None
+
+    def average_gradients(self, models: list[nn.Module]) -> None:
+        return None
+
+    def commit(self, step: int) -> bool:
+        return True
+
+    def next_step(self, step: int, cursor: DataCursor) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def replica_groups(options: Any, settings: Any, topology: Any, print_fn: Callable[[str], None],
+                   strategy: Any) -> ReplicaQuorum | NoReplicaGroups:
+    """This rank's replica axis: torchft's quorum when launched fault tolerant, else none.
+
+    The script's layout is one group's (``--nproc-per-node`` ranks); the groups replicate
+    it. Semi-synchronous replicas (``semi_sync``) average their own way and are refused.
+    """
+    from paratrain.fault_tolerance.options import resolve
+
+    resolved = resolve(options, settings.replica_group, settings.lighthouse)
+    if resolved is None:
+        return NoReplicaGroups()
+    if getattr(getattr(strategy, "layout", None), "semi_sync", None) is not None:
+        raise ValueError("fault tolerance with semi_sync (LocalSGD/DiLoCo) is not supported "
+                         "yet; launch without --fault-tolerant, or drop semi_sync and let the "
+                         "replica groups average every step")
+    ft, group = resolved
+    return ReplicaQuorum(ft, group, rank=topology.rank, world_size=topology.world_size,
+                         device=topology.device, print_fn=print_fn)

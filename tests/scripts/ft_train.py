@@ -1,0 +1,53 @@
+"""A small training job for the fault-tolerance tests: one JSON line per step.
+
+    ft_train.py OUT_DIR [SLEEP_S] [EPOCHS]
+
+Each process appends ``{"step", "t", "digest", "pid", "epoch"}`` to
+``OUT_DIR/group<G>-rank<R>.jsonl`` after every step, where the digest is a hash of this
+rank's parameters (its shards under FSDP), so that tests can compare replica groups
+bitwise, step by step, and see stalls, repeats and gaps.
+"""
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import TensorDataset
+
+import paratrain
+
+out = sys.argv[1]
+sleep_s = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
+epochs = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+strategy = os.environ.get("FT_TEST_STRATEGY", "ddp")
+generator = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(512, 8, generator=generator),
+                     torch.randn(512, 1, generator=generator))
+run = paratrain.Run(strategy=strategy, progress=False, stragglers=False)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+loader = run.loader(data, batch_size=16)
+group = os.environ.get("PARATRAIN_REPLICA_GROUP", "0/1").split("/")[0]
+log = open(os.path.join(out, f"group{group}-rank{run.rank}.jsonl"), "a")
+
+
+def digest() -> str:
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+for epoch in run.epochs(epochs):
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        run.backward(loss)
+        run.step(optimizer)
+        log.write(json.dumps({"step": run.global_step, "t": time.time(), "digest": digest(),
+                              "pid": os.getpid(), "epoch": epoch}) + "\n")
+        log.flush()
+        time.sleep(sleep_s)
+run.close()
