@@ -111,3 +111,18 @@ def test_killed_group_leaves_the_quorum_survivor_keeps_training_and_it_heals(tmp
     by_step = {s["step"]: s["digest"] for s in steps}
     assert healed and all(by_step[s["step"]] == s["digest"] for s in healed)
     assert output.count("healed from a live peer") == 2, output[-3000:]
+
+
+def test_an_unreachable_lighthouse_is_one_line_naming_it(tmp_path):
+    options = {"collective_timeout_s": 1, "step_timeout_s": 2, "quorum_timeout_s": 4,
+               "connect_timeout_s": 1}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "PARATRAIN_REPLICA_GROUP": "0/2", "RUST_LOG": "off",
+                          "PARATRAIN_LIGHTHOUSE": "http://127.0.0.1:9",
+                          "FT_TEST_OPTIONS": json.dumps(options)})
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("paratrain:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "could not join a quorum at the lighthouse http://127.0.0.1:9" in lines[0]
+    assert "--lighthouse" in lines[0]

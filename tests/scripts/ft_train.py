@@ -28,7 +28,9 @@ strategy = os.environ.get("FT_TEST_STRATEGY", "ddp")
 generator = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(512, 8, generator=generator),
                      torch.randn(512, 1, generator=generator))
-run = paratrain.Run(strategy=strategy, progress=False, stragglers=False)
+options = json.loads(os.environ.get("FT_TEST_OPTIONS", "null"))  # Run(fault_tolerance=...)
+run = paratrain.Run(strategy=strategy, progress=False, stragglers=False,
+                    fault_tolerance=options)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
 loader = run.loader(data, batch_size=16)
