@@ -49,7 +49,9 @@ def test_two_replica_groups_train_bitwise_as_two_rank_ddp(tmp_path):
     ft_dir, ddp_dir = tmp_path / "ft", tmp_path / "ddp"
     ft_dir.mkdir()
     ddp_dir.mkdir()
-    _finish(_launch(ft_dir, "--fault-tolerant", "--replica-groups", "2"))
+    checkpoints = tmp_path / "checkpoints"
+    _finish(_launch(ft_dir, "--fault-tolerant", "--replica-groups", "2",
+                    env={"FT_TEST_CHECKPOINT_DIR": str(checkpoints)}))
     _finish(_launch(ddp_dir, "--nproc-per-node", "2"))
     group0, group1 = _steps(ft_dir / "group0-rank0.jsonl"), _steps(ft_dir / "group1-rank0.jsonl")
     ddp = _steps(ddp_dir / "group0-rank0.jsonl")
@@ -58,6 +60,9 @@ def test_two_replica_groups_train_bitwise_as_two_rank_ddp(tmp_path):
     # same updates as DDP over two ranks (an average of two is exact in either order).
     assert [s["digest"] for s in group0] == [s["digest"] for s in group1]
     assert [s["digest"] for s in group0] == [s["digest"] for s in ddp]
+    # Each group is its own job with its own rank 0: its own checkpoints, side by side.
+    for group in (0, 1):
+        assert sorted(p.name for p in (checkpoints / f"replica-group-{group}").glob("*.pt"))
 
 
 @pytest.mark.slow

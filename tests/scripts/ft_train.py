@@ -29,8 +29,10 @@ generator = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(512, 8, generator=generator),
                      torch.randn(512, 1, generator=generator))
 options = json.loads(os.environ.get("FT_TEST_OPTIONS", "null"))  # Run(fault_tolerance=...)
+checkpoints = os.environ.get("FT_TEST_CHECKPOINT_DIR") or None
 run = paratrain.Run(strategy=strategy, progress=False, stragglers=False,
-                    fault_tolerance=options)
+                    fault_tolerance=options, checkpoint_dir=checkpoints,
+                    checkpoint_every=8 if checkpoints else None)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
 loader = run.loader(data, batch_size=16)

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from paratrain.fieldtypes import from_fields
 
 __all__ = ["LIGHTHOUSE_HEARTBEAT_S", "LIGHTHOUSE_JOIN_S", "FaultTolerance", "ReplicaGroup",
-           "parse_replica_group", "resolve"]
+           "group_checkpoint_dir", "parse_replica_group", "resolve"]
 
 LIGHTHOUSE_HEARTBEAT_S = 2.0
 """A group silent this long leaves the quorum (the lighthouse ``paratrain launch`` starts)."""
@@ -129,3 +130,14 @@ def resolve(options: Any, replica_group: str | None,
                          "`paratrain launch --fault-tolerant`, which sets both")
     group, groups = parse_replica_group(replica_group)
     return ft or FaultTolerance(), ReplicaGroup(group, groups, lighthouse)
+
+
+def group_checkpoint_dir(config: Any, replica_group: str | None) -> Any:
+    """``config`` with its ``checkpoint_dir`` made this replica group's own subfolder
+    (``replica-group-G``): each group is its own job with its own rank 0, which locks and
+    writes its checkpoints (for a whole-job restart, ``--max-restarts``)."""
+    if replica_group is None or config.checkpoint_dir is None:
+        return config
+    group, _ = parse_replica_group(replica_group)
+    directory = os.path.join(os.fspath(config.checkpoint_dir), f"replica-group-{group}")
+    return dataclasses.replace(config, checkpoint_dir=directory)

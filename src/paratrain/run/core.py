@@ -32,6 +32,7 @@ from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler, check_map_style
 from paratrain.distributed import _compat
 from paratrain.distributed.process_group import destroy_process_group
+from paratrain.fault_tolerance.options import group_checkpoint_dir
 from paratrain.fault_tolerance.quorum import replica_groups
 from paratrain.reliability import signals
 from paratrain.reliability.stragglers import StragglerDetector
@@ -93,7 +94,8 @@ class Run(TrainStep, Metrics, Pretrained):
             if settings.timeout_s is not None:
                 config["timeout_s"] = settings.timeout_s
         config.update(misspelled)
-        self.config = RunConfig.from_arguments(config)  # a misspelled name: one line
+        self.config = group_checkpoint_dir(  # a misspelled name: one line
+            RunConfig.from_arguments(config), settings.replica_group)
         self._closed = False
         self._peer_lost = False
         parts = build_parts(self.config, settings, environ)
