@@ -2,7 +2,7 @@
 
     ft_train.py OUT_DIR [SLEEP_S] [EPOCHS]
 
-Each process appends ``{"step", "t", "digest", "pid", "epoch"}`` to
+Each process appends ``{"step", "t", "digest", "pid", "epoch", "samples"}`` to
 ``OUT_DIR/group<G>-rank<R>.jsonl`` after every step, where the digest is a hash of this
 rank's parameters (its shards under FSDP), so that tests can compare replica groups
 bitwise, step by step, and see stalls, repeats and gaps.
@@ -27,7 +27,7 @@ epochs = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 strategy = os.environ.get("FT_TEST_STRATEGY", "ddp")
 generator = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(512, 8, generator=generator),
-                     torch.randn(512, 1, generator=generator))
+                     torch.randn(512, 1, generator=generator), torch.arange(512))
 options = json.loads(os.environ.get("FT_TEST_OPTIONS", "null"))  # Run(fault_tolerance=...)
 checkpoints = os.environ.get("FT_TEST_CHECKPOINT_DIR") or None
 run = paratrain.Run(strategy=strategy, progress=False, stragglers=False,
@@ -46,12 +46,13 @@ def digest() -> str:
 
 
 for epoch in run.epochs(epochs):
-    for x, y in loader:
+    for x, y, index in loader:
         loss = nn.functional.mse_loss(model(x), y)
         run.backward(loss)
         run.step(optimizer)
         log.write(json.dumps({"step": run.global_step, "t": time.time(), "digest": digest(),
-                              "pid": os.getpid(), "epoch": epoch}) + "\n")
+                              "pid": os.getpid(), "epoch": epoch,
+                              "samples": index.tolist()}) + "\n")
         log.flush()
         time.sleep(sleep_s)
 run.close()

@@ -56,6 +56,7 @@ class ReplicaQuorum:
         self._precision: Any = None
         self._cursor: Callable[[], DataCursor] | None = None
         self._healed: DataCursor | None = None
+        self._caught_up = False  # healed mid-step: this step's update is the peer's already
         self._groups = 0  # groups in the last quorum, for the timeline
         self.uncommitted_steps: list[int] = []
         """Steps whose update no group applied here (a group failed during them)."""
@@ -148,24 +149,52 @@ class ReplicaQuorum:
                 f"({detail}); start the lighthouse (`paratrain launch --fault-tolerant` starts "
                 "one) or pass its address with --lighthouse") from None
 
-    def average_gradients(self, models: list[nn.Module]) -> None:
-        """Average this rank's gradients with its counterparts in the quorum's groups."""
-        grads = _grads(models)
-        if not grads:
-            return
+    def _average(self, grads: list[torch.Tensor]) -> bool:
+        """One try at the average; the gradients are left as they were if it failed."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for grad in grads:
             by_dtype.setdefault(grad.dtype, []).append(grad)
+        flats = []
         for group in by_dtype.values():  # one flat buffer per dtype: one collective each
             flat = torch.cat([g.reshape(-1) for g in group])
             self._manager.allreduce(flat).wait()
+            flats.append((group, flat))
+        if self._manager.errored() is not None:
+            return False  # a peer died mid-collective: the buffers hold garbage
+        for group, flat in flats:
             offset = 0
             for grad in group:
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+        return True
+
+    def average_gradients(self, models: list[nn.Module]) -> None:
+        """Average this rank's gradients with its counterparts in the quorum's groups.
+
+        When a group dies during the all-reduce, the survivors form a new quorum without
+        it (once the lighthouse stops hearing from it) and average their own, intact
+        gradients again: the step is not lost. A group found behind in that quorum heals
+        instead, and the update of this step, already in its peer's state, is skipped.
+        """
+        self._caught_up = False
+        grads = _grads(models)
+        for attempt in range(1 + self.RETRIES):
+            if attempt and self._quorum(self._state.global_step + 1) is not None:
+                self._caught_up = True
+                self._state.global_step -= 1  # the peer's count has this step; the loop adds it
+                return
+            if not grads or self._average(grads):
+                return
+
+    RETRIES = 2
+    """New quorums a step tries after a failed all-reduce before it is skipped."""
 
     def commit(self, step: int) -> bool:
         """The groups' vote on applying this step's update; False: this group skips it."""
+        if self._caught_up:
+            self._print(f"fault tolerance: replica group {self.group.index} caught up with a "
+                        f"live peer during step {step}; it keeps its data position")
+            return False
         committed = bool(self._manager.should_commit())
         if not committed:
             self.uncommitted_steps.append(step)
@@ -175,7 +204,11 @@ class ReplicaQuorum:
 
     def next_step(self, step: int, cursor: DataCursor) -> None:
         """After-step hook: the quorum of the next step (a group behind heals here, keeping
-        its own data position: its loader is already running)."""
+        its own data position: its loader is already running). A group that caught up
+        during the step is in the next step's quorum already: its peers wait in it."""
+        if self._caught_up:
+            self._caught_up = False
+            return
         if self._quorum(step) is not None:
             self._print(f"fault tolerance: replica group {self.group.index} keeps its data "
                         f"position (epoch {cursor.epoch}, sample {cursor.offset})")
