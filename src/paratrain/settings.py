@@ -101,6 +101,7 @@ class Settings:
     term_at_step: int | None = None
     straggler: Straggler | None = None
     restart_count: int = 0
+    max_restarts: int = 0
     """``TORCHELASTIC_RESTART_COUNT``: injected faults fire on the first attempt only."""
     slurm_job_id: str | None = None
     """``SLURM_JOB_ID``: the job rank 0 requeues on the requeue signal (None outside Slurm)."""
@@ -139,6 +140,7 @@ class Settings:
             term_at_step=_int(env, VARIABLES["term_at_step"][0]),
             straggler=_straggler(raw("straggler")),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
             slurm_job_id=env.get("SLURM_JOB_ID", "").strip() or None,
         )
 

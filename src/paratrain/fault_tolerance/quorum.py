@@ -18,6 +18,7 @@ averages its local gradients, or gradient shards, with its counterparts.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -76,6 +77,8 @@ class ReplicaQuorum:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         opts = self.options
+        # torchft reads a healing peer's state from a read-only buffer; nothing writes it.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         where: dict[str, Any] = {}
         if self._world_size == 1:
             # A one-rank group has no process group, so no rendezvous store to share

@@ -168,9 +168,10 @@ class HealthMonitor:
         every: optimizer steps between consistency checks (0 disables them).
     """
 
-    def __init__(self, *, topology: Topology, every: int) -> None:
+    def __init__(self, *, topology: Topology, every: int, restarts_left: int = 0) -> None:
         self.topology = topology
         self.every = every
+        self.restarts_left = restarts_left  # torchrun's --max-restarts not used up yet
         self.local_steps = 0
         self.hosts = [local_address(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))]
         self.group: Any = None
@@ -269,10 +270,11 @@ class HealthMonitor:
             lost = "lost " + ", ".join(f"rank {r} (host {self.host(r)})" for r in missing)
         else:
             lost = "every rank still answers; a peer is stuck or too slow"
+        then = ("torchrun restarts it from the last checkpoint" if self.restarts_left else
+                "use `paratrain launch --max-restarts N` to restart from the last checkpoint")
         return PeerLostError(
             f"rank {self.topology.rank}: a collective failed ({first}); {lost}; the job stops "
-            "(use `paratrain launch --max-restarts N` to restart from the last checkpoint)"
-        )
+            f"({then})")
 
     def _unanswered_ranks(self, wait_s: float) -> list[int] | None:
         """Ranks that do not write their key within ``wait_s``; None if the store is gone."""

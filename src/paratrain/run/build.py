@@ -101,7 +101,9 @@ def build_parts(config: RunConfig, settings: Settings,
         if isinstance(strategy, PrecisionPolicy):
             strategy.configure_precision(precision)
         # Once, cheaply: a node started with other settings fails here, not mid-run.
-        monitor = health.HealthMonitor(topology=topology, every=settings.health_every)
+        monitor = health.HealthMonitor(
+            topology=topology, every=settings.health_every,
+            restarts_left=max(0, settings.max_restarts - settings.restart_count))
         with guard_peers(monitor):
             monitor.check_config(config)
             lock = lock_checkpoint_dir(config, topology, monitor.group, environ)
