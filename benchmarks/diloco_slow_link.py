@@ -134,20 +134,21 @@ def plot(numbers: dict, ddp: dict, diloco: dict, args: argparse.Namespace) -> No
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, res, label in (("ddp", ddp, "DDP"), ("diloco", diloco, f"DiLoCo H={args.every}, outer lr "
-                                                f"{args.outer_lr:g}, momentum {args.outer_momentum:g}")):
+    for key, res, label in (("ddp", ddp, "DDP"), ("diloco", diloco, f"DiLoCo H={args.every}")):
         tokens, loss, seconds = zip(*numbers[key])
         left.plot(tokens, loss, marker="o", label=f"{label} ({res['tokens_per_s']:.0f} tokens/s)")
         right.plot(seconds, loss, marker="o", label=label)
+    left.xaxis.set_major_formatter(lambda x, _: f"{x / 1e3:.0f}k")
     left.set(xlabel="training tokens", ylabel="validation loss (nats/char)",
              title="loss at equal tokens")
     right.set(xlabel="training seconds (validation excluded)", ylabel="validation loss",
               title="loss against time")
     for axes in (left, right):
         axes.grid(alpha=0.3)
-        axes.legend()
+        axes.legend(loc="upper right", fontsize=9)
     fig.suptitle(f"GPT {args.n_layer}x{args.n_embd} on Shakespeare, 2 hosts, "
-                 f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one-way delay")
+                 f"{args.rate_mbit:g} Mbit/s, {args.delay_ms:g} ms one-way delay; DiLoCo outer lr "
+                 f"{args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}", fontsize=10)
     fig.tight_layout()
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=110)
