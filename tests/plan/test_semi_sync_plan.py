@@ -64,6 +64,26 @@ def test_bytes_per_step_scale_as_one_over_h_and_halve_with_bf16():
             == row(DiLoCo(every=10), profile=bf16_params).payload)
 
 
+def test_int8_is_gathered_not_summed_so_its_bytes_grow_with_the_groups():
+    shard = GPT2.num_parameters / 8  # parameters of a rank's local shard
+    int8 = row(DiLoCo(every=10, comm_dtype="int8"))
+    assert int8.payload == pytest.approx(shard)  # 1 byte per parameter, R = 2
+    # A ring all-gather sends (R - 1) messages; an all-reduce 2 (R - 1) / R payloads:
+    # at R = 2 half of bf16's bytes, a quarter of float32's ...
+    assert int8.traffic == pytest.approx(shard / 10)
+    assert int8.traffic == pytest.approx(row(DiLoCo(every=10, comm_dtype="bf16")).traffic / 2)
+    assert int8.traffic == pytest.approx(row(DiLoCo(every=10)).traffic / 4)
+    # ... as many as bf16 at R = 4 and as float32 at R = 8.
+    for groups, other in ((4, "bf16"), (8, None)):
+        hw = cluster("ethernet-1g", nodes=groups)
+        gathered = row(DiLoCo(every=10, comm_dtype="int8"), hw=hw)
+        assert gathered.traffic == pytest.approx((groups - 1) * shard / 10)
+        assert gathered.traffic == pytest.approx(
+            row(DiLoCo(every=10, comm_dtype=other), hw=hw).traffic)
+    # The gathered messages are held beside the sent one.
+    assert int8.outer_memory == pytest.approx(3 * shard + 2 * shard * 4)
+
+
 def test_fragments_spread_the_same_bytes_over_more_smaller_syncs():
     whole = row(DiLoCo(every=50))
     for k in (2, 5, 10):

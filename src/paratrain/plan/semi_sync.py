@@ -6,12 +6,14 @@ one replica group per node: each group is FSDP over its node's ``n`` devices (co
 ``H / k`` steps a rank all-reduces ``1/k`` of its local shard over the ``R`` groups on the
 inter-node link (``k`` fragments; 1 but for streaming DiLoCo). Per step, on average::
 
-    bytes    = N / n * e / H              e: param bytes (LocalSGD, DiLoCo), 2 (bf16)
+    bytes    = N / n * e / H              e: param bytes (LocalSGD, DiLoCo), 2 (bf16), 1 (int8)
     exposed  = sync                       one all-reduce of N / n * e / k bytes over R
+                                          (int8: an all-gather of R such messages)
              | max(0, sync - overlap * inner compute)     DiLoCo(overlap=True)
     step     = inner step + exposed / (H / k)
     memory   = inner memory + a flat copy of the sent 1/k (LocalSGD: the whole shard)
-               (DiLoCo: + snapshot + outer momentum, 2 copies of the shard)
+               (DiLoCo: + snapshot + outer momentum, 2 copies of the shard;
+               int8: + the R messages gathered)
 
 A throughput plan, not a convergence guarantee: the rows say nothing of the loss
 reached per token. Written out in ``docs/plan.md`` ("Semi-synchronous rows").
@@ -24,7 +26,7 @@ from typing import Any
 
 from paratrain.distributed.mesh import ParallelDegrees
 from paratrain.parallel.options import DiLoCo, LocalSGD, changed_fields
-from paratrain.plan.comm import allreduce_bytes, allreduce_time
+from paratrain.plan.comm import allgather_bytes, allgather_time, allreduce_bytes, allreduce_time
 from paratrain.plan.layouts import group_hardware
 from paratrain.plan.model import predict
 from paratrain.plan.report import TIE_MARGIN, PlanReport
@@ -79,7 +81,8 @@ class SemiSyncRow:
     inner: Prediction
     """One inner step of a group: ``hybrid`` with ``dp_shard=shard`` on one node."""
     payload: float
-    """Bytes a rank all-reduces over the replicate axis at one sync."""
+    """Bytes a rank all-reduces over the replicate axis at one sync (int8: its message,
+    all-gathered with the other groups')."""
     sync_every: int
     """Steps between two syncs of this rank (``H / k``)."""
     sync_time: float
@@ -99,7 +102,7 @@ class SemiSyncRow:
 
     @property
     def bytes_per_step(self) -> float:
-        """Payload per step: the local shard's bytes (bf16: 2 per parameter) / H."""
+        """Payload per step: the local shard's bytes (bf16: 2 per parameter, int8: 1) / H."""
         return self.payload / self.sync_every
 
     @property
@@ -132,18 +135,21 @@ def semi_sync_row(profile: ModelProfile, hardware: Hardware, mode: Mode, *,
                     layout=ParallelDegrees(shard_degree=n))
     k = getattr(mode, "fragments", 1)
     diloco = isinstance(mode, DiLoCo)
-    per_param = 2 if diloco and mode.comm_dtype == "bf16" else profile.param_bytes
+    comm = mode.comm_dtype if diloco else None
+    per_param = {"bf16": 2, "int8": 1}.get(comm, profile.param_bytes)
     shard = profile.num_parameters / n  # parameters of this rank's local shard
-    payload = shard * per_param / k
+    payload = shard * per_param / k  # int8: + a 4-byte scale per bucket, left out
     replicas = group_hardware(hardware, size=r, stride=n)
-    sync = allreduce_time(payload, replicas)
+    gathered = r * payload if comm == "int8" else 0.0  # int8 cannot be summed: gathered
+    sync = allgather_time(gathered, replicas) if gathered else allreduce_time(payload, replicas)
+    sent = allgather_bytes(gathered, replicas) if gathered else allreduce_bytes(payload, replicas)
     hidden = overlap * inner.compute_time if diloco and mode.overlap else 0.0
-    outer = payload + (2 * shard * profile.param_bytes if diloco else 0.0)
+    outer = payload + gathered + (2 * shard * profile.param_bytes if diloco else 0.0)
     limit = hardware.device_memory_bytes
     row = SemiSyncRow(mode=mode, replicate=r, shard=n, inner=inner, payload=payload,
                       sync_every=mode.every // k, sync_time=sync,
                       exposed_per_sync=max(0.0, sync - hidden),
-                      traffic=allreduce_bytes(payload, replicas) * k / mode.every,
+                      traffic=sent * k / mode.every,
                       outer_memory=outer, fits=None)
     return replace(row, fits=None if limit is None else row.memory_bytes <= limit)
 

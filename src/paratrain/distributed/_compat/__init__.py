@@ -159,14 +159,16 @@ def rebind_lr_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Non
     optimizer.step = wrapper  # type: ignore[method-assign]
 
 
-def all_gather_single(output: torch.Tensor, piece: torch.Tensor, group: Any) -> None:
-    """Every rank's equal-sized ``piece``, concatenated into ``output``, in one collective.
+def all_gather_single(output: torch.Tensor, piece: torch.Tensor, group: Any, *,
+                      async_op: bool = False) -> Any:
+    """Every rank's equal-sized ``piece``, concatenated into ``output``, in one collective
+    (its work handle with ``async_op``).
 
     ``all_gather_single`` where torch has it; older torch calls it
     ``all_gather_into_tensor`` (deprecated since).
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, piece, group=group)
+    return gather(output, piece, group=group, async_op=async_op)
 
 
 def flattened_group(mesh: Any, name: str | None = None) -> dist.ProcessGroup:

@@ -9,6 +9,7 @@ the replicate axis carries about H times fewer bytes than gradient averaging.
 
 * :mod:`.fragments`: units and fragments of the parameters, the sync schedule;
 * :mod:`.outer`: the outer step (parameter mean, or DiLoCo's outer Nesterov SGD);
+* :mod:`.quantize`: DiLoCo's int8 pseudo-gradients (per-rank scales, all-gathered);
 * :mod:`.resume`: each rank's outer state, parameters and optimizer state in a sharded
   checkpoint, resumed bit for bit.
 """

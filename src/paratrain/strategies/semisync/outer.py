@@ -21,7 +21,9 @@ outer_momentum=0`` is local SGD bit for bit. ``s - mean(x_i)`` itself would not 
 ``s - x_i`` is exact only within a factor 2 of ``s`` (Sterbenz), and parameters near 0
 leave it. With ``comm_dtype="bf16"`` the pseudo-gradients ``(s - x_i) / R`` are sent
 instead (small numbers lose less to bfloat16 than parameters) and
-``mean(x_i) = s - sum``.
+``mean(x_i) = s - sum``. With ``comm_dtype="int8"`` each rank quantizes its own ``s - x_i``
+with its own scale and the ranks all-gather them (int8 sums would overflow); every rank
+then averages the same bytes in rank order (:mod:`.quantize`), so the groups stay equal.
 
 With ``overlap`` a fragment's all-reduce runs while the next inner step does and is
 finished after it: the outer step is computed from pseudo-gradients one inner step old,
@@ -37,8 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.distributed._compat import all_gather_single
 from paratrain.parallel.options import DiLoCo
 from paratrain.strategies.semisync.fragments import due
+from paratrain.strategies.semisync.quantize import mean_of, pack
 
 __all__ = ["Bucket", "OuterSync", "local_piece"]
 
@@ -101,7 +105,8 @@ class OuterSync:
         """Optimizer steps taken under semi-synchronous training (the schedule's clock)."""
         self.started = False
         self.pending: dict[int, list[torch.Tensor]] = {}
-        """Fragments whose pseudo-gradient sum is sent (overlap) or received, not applied."""
+        """Fragments whose pseudo-gradient sum (int8: the gathered messages) is sent
+        (overlap) or received, not applied."""
         self._works: dict[int, list[Any]] = {}
         self.outer_steps = 0
         """Outer steps (fragment syncs) applied so far in this process."""
@@ -150,13 +155,16 @@ class OuterSync:
                 bucket.assign(total.div_(self.replicas))
             self.outer_steps += 1
             return
-        overlap, sends, works = self.mode.overlap, [], []
+        overlap, comm, sends, works = self.mode.overlap, self.mode.comm_dtype, [], []
         for bucket in buckets:
             value = bucket.flat()
-            if self.mode.comm_dtype == "bf16":
+            if comm == "bf16":
                 # Divided first (exact for a power-of-two R) so that the bf16 sum stays small.
                 value = (bucket.snapshot - value).div_(self.replicas).to(torch.bfloat16)
-            send, work = self._all_reduce(value, async_op=overlap)
+            if comm == "int8":
+                send, work = self._all_gather(pack(bucket.snapshot - value), async_op=overlap)
+            else:
+                send, work = self._all_reduce(value, async_op=overlap)
             sends.append(send)
             works.append(work)
         self.pending[index] = sends
@@ -170,6 +178,11 @@ class OuterSync:
         work = dist.all_reduce(send, group=self.group, async_op=async_op)
         return send, work
 
+    def _all_gather(self, message: torch.Tensor, *, async_op: bool) -> tuple[torch.Tensor, Any]:
+        send = message.to(self.device)
+        gathered = send.new_empty(self.replicas * send.numel())
+        return gathered, all_gather_single(gathered, send, self.group, async_op=async_op)
+
     @torch.no_grad()
     def _finish(self, index: int) -> None:
         for work in self._works.pop(index, []):
@@ -178,7 +191,10 @@ class OuterSync:
         for bucket, total in zip(self.fragments[index], self.pending.pop(index)):
             snapshot, mu = bucket.snapshot, mode.outer_momentum
             total = total.to(snapshot.device)
-            if mode.comm_dtype == "bf16":
+            if mode.comm_dtype == "int8":
+                pseudo = mean_of(total, self.replicas).to(snapshot.dtype)
+                target = snapshot - pseudo
+            elif mode.comm_dtype == "bf16":
                 pseudo = total.to(snapshot.dtype)
                 target = snapshot - pseudo
             else:
