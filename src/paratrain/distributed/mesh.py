@@ -254,6 +254,12 @@ class ParallelMesh:
             return self.data_parallel_group
         return self._group_over("replicate", "shard", "context")
 
+    @cached_property
+    def replica_peers_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's replica group: every axis but ``replicate`` (those that
+        step together under semi-synchronous training). A collective the first time."""
+        return self._group_over(*(axis for axis in AXES if axis != "replicate"))
+
     def _group_over(self, *axes: str) -> dist.ProcessGroup:
         # One group per combination of the other axes' coordinates, over ``axes``.
         d = dict(zip(AXES, self.degrees.shape))

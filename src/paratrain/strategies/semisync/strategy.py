@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.sharded import load_sharded, save_sharded, start_save_sharded
+from paratrain.distributed._compat import all_gather_single
 from paratrain.strategies.layout.strategy import LayoutStrategy
 from paratrain.strategies.semisync.fragments import fragment_parameters, unit_names
 from paratrain.strategies.semisync.outer import OuterSync
@@ -93,6 +94,18 @@ class SemiSyncStrategy(LayoutStrategy):
         super().optimizer_step(optimizer)
         if outer is not None:
             outer.after_step()
+
+    def agree_flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """The flags of this rank's replica group only: the groups step alone between
+        outer syncs, and a per-step collective across them would cost a round trip of
+        the slow link semi_sync is for (each group decides its non-finite steps)."""
+        if self.degrees.replicate_degree == self.topology.world_size:
+            return flags.unsqueeze(0)
+        group = self.mesh.replica_peers_group
+        size = self.topology.world_size // self.degrees.replicate_degree
+        gathered = flags.new_empty(size * flags.numel())
+        all_gather_single(gathered, flags.reshape(-1).contiguous(), group)
+        return gathered.view(-1, *flags.shape)
 
     # -- checkpoints ----------------------------------------------------------------
     def _save_rank_state(self, directory: str) -> None:
