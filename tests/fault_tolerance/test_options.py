@@ -69,7 +69,10 @@ def test_launcher_flags_are_checked_before_anything_starts(argv, message):
 
 
 def test_one_group_per_launch_only_sets_its_variables(monkeypatch):
+    # Recorded as unset first, so that teardown removes what launch() sets: a leaked
+    # variable would make every later test's Run() a replica group.
     monkeypatch.delenv("PARATRAIN_REPLICA_GROUP", raising=False)
+    monkeypatch.delenv("PARATRAIN_LIGHTHOUSE", raising=False)
     args = launch.build_parser().parse_args(["--fault-tolerant", "--replica-groups", "3",
                                              "--replica-group", "2", "--lighthouse",
                                              "http://h:5", __file__])
@@ -77,5 +80,9 @@ def test_one_group_per_launch_only_sets_its_variables(monkeypatch):
     import os
     assert os.environ["PARATRAIN_REPLICA_GROUP"] == "2/3"
     assert os.environ["PARATRAIN_LIGHTHOUSE"] == "http://h:5"
-    monkeypatch.delenv("PARATRAIN_REPLICA_GROUP")
-    monkeypatch.delenv("PARATRAIN_LIGHTHOUSE")
+
+
+def test_the_variables_set_above_did_not_leak():
+    import os
+    assert "PARATRAIN_REPLICA_GROUP" not in os.environ
+    assert "PARATRAIN_LIGHTHOUSE" not in os.environ

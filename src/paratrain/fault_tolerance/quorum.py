@@ -179,6 +179,9 @@ class ReplicaQuorum:
         gradients again: the step is not lost. A group found behind in that quorum heals
         instead, and the update of this step, already in its peer's state, is skipped.
         """
+        if self._manager is None:
+            raise RuntimeError("fault-tolerant training forms its first quorum in run.epochs(); "
+                               "write the loop as `for epoch in run.epochs(N):`")
         self._caught_up = False
         grads = _grads(models)
         for attempt in range(1 + self.RETRIES):
