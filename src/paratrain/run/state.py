@@ -21,7 +21,7 @@ from paratrain.checkpoint.resume import resume_newest
 from paratrain.data.loader import DataCursor, DistributedLoader
 from paratrain.data.training import TrainingLoaders
 from paratrain.run import spikes
-from paratrain.run.seeding import seed_everything
+from paratrain.run.seeding import reseed_lost_streams
 from paratrain.strategies.capabilities import ShardedState, local_module
 
 if TYPE_CHECKING:
@@ -315,8 +315,8 @@ class RunState:
             checkpoint.set_rng_state(rng[rank])
         else:
             # Another world size: per-rank streams cannot be mapped; derive fresh ones.
-            seed_everything(self._config.seed + 1 + strategy.random_stream_rank
-                           + 7919 * self.global_step)
+            reseed_lost_streams(self._config.seed, strategy.random_stream_rank,
+                                self.global_step)
         self._resume_checked = True
         self._saved = Path(path).resolve()
 

@@ -21,7 +21,7 @@ from paratrain.run import misuse
 from paratrain.run.build import guard_peers
 from paratrain.run.finite import FiniteGuard
 from paratrain.run.prepared import PreparedOptimizers, SchedulerSteps
-from paratrain.run.seeding import seed_everything
+from paratrain.run.seeding import reseed_lost_streams
 from paratrain.run.spikes import spike_guard
 from paratrain.strategies.capabilities import require_compile
 
@@ -58,8 +58,8 @@ class TrainStep:
                                      restarted=self.settings.restart_count > 0)
         if cursor is not None:
             self.state.resume_at(cursor)
-            seed_everything(self.config.seed + 1 + self.strategy.random_stream_rank
-                            + 7919 * self.state.global_step)
+            reseed_lost_streams(self.config.seed, self.strategy.random_stream_rank,
+                                self.state.global_step)
 
     def _data_cursor(self) -> DataCursor:
         loader = self._train_loader
