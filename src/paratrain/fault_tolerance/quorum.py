@@ -255,7 +255,7 @@ class NoReplicaGroups:
 
 
 def replica_groups(options: Any, settings: Any, topology: Any, print_fn: Callable[[str], None],
-                   strategy: Any) -> ReplicaQuorum | NoReplicaGroups:
+                   strategy: Any, precision: str = "32") -> ReplicaQuorum | NoReplicaGroups:
     """This rank's replica axis: torchft's quorum when launched fault tolerant, else none.
 
     The script's layout is one group's (``--nproc-per-node`` ranks); the groups replicate
@@ -270,6 +270,11 @@ def replica_groups(options: Any, settings: Any, topology: Any, print_fn: Callabl
         raise ValueError("fault tolerance with semi_sync (LocalSGD/DiLoCo) is not supported "
                          "yet; launch without --fault-tolerant, or drop semi_sync and let the "
                          "replica groups average every step")
+    if precision == "16-mixed":
+        # Each group's loss scaler picks its own scale: an average of gradients scaled
+        # differently would be wrong, and the scales are not agreed across groups.
+        raise ValueError("fault tolerance with precision='16-mixed' is not supported (each "
+                         "replica group scales its loss on its own); use 'bf16-mixed' or '32'")
     ft, group = resolved
     return ReplicaQuorum(ft, group, rank=topology.rank, world_size=topology.world_size,
                          device=topology.device, print_fn=print_fn)

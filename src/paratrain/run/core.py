@@ -133,7 +133,7 @@ class Run(TrainStep, Metrics, Pretrained):
             lockstep=self.strategy.data_parallel_size == self.world_size,
             print_fn=self.print, log=self.reporter.log)
         self._replicas = replica_groups(self.config.fault_tolerance, settings, self.topology,
-                                        self.print, self.strategy)  # torchft: one per group
+                                        self.print, self.strategy, self.config.precision)
         self._after_step: list[AfterStep] = [
             self._replicas.next_step,  # the next step's quorum, before anything else
             FaultHook(parts.faults),
