@@ -18,8 +18,11 @@ REFUSALS = [
      "DiLoCo.comm_dtype must be None, 'bf16' or 'int8', got 'int4'"),
     (lambda: DiLoCo(every=4, comm_dtype="fp8"), "must be None, 'bf16' or 'int8'"),
     (lambda: DiLoCo(every=1, overlap=True), "DiLoCo.overlap needs every >= 2"),
-    (lambda: Parallel(dp_shard=2, semi_sync=LocalSGD(every=2)),
+    (lambda: Parallel(dp_shard=2, semi_sync=LocalSGD(every=2)).resolve(world_size=2),
      "semi_sync=LocalSGD needs dp_replicate > 1"),
+    (lambda: Parallel(dp_replicate=2, semi_sync=DiLoCo(every=2)).resolve(
+        world_size=2, replica_groups=3),
+     r"DiLoCo under --fault-tolerant syncs the 3 replica groups, so dp_replicate=2 inside"),
     (lambda: Parallel(dp_replicate=-1, dp_shard=2, semi_sync=DiLoCo(every=2)).resolve(
         world_size=2), "semi_sync=DiLoCo needs dp_replicate > 1"),
     (lambda: Parallel(pp=2, dp_replicate=2, semi_sync=DiLoCo(every=2)),
@@ -40,6 +43,14 @@ def test_refusals_are_one_line(make, message):
     with pytest.raises(ValueError, match=message) as info:
         make()
     assert "\n" not in str(info.value)
+
+
+def test_under_fault_tolerance_the_replica_groups_are_the_replicas():
+    layout = Parallel(dp_shard=-1, semi_sync=DiLoCo(every=2))
+    degrees = layout.resolve(world_size=2, replica_groups=2)
+    assert (degrees.replicate_degree, degrees.shard_degree) == (1, 2)
+    with pytest.raises(ValueError, match="needs dp_replicate > 1"):
+        layout.resolve(world_size=2)  # the same layout, no groups: nothing to sync
 
 
 def test_a_pure_replicate_layout_with_semi_sync_runs_in_the_layout_strategy():

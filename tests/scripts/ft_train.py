@@ -8,6 +8,7 @@ rank's parameters (its shards under FSDP), so that tests can compare replica gro
 bitwise, step by step, and see stalls, repeats and gaps.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -30,7 +31,17 @@ data = TensorDataset(torch.randn(512, 8, generator=generator),
                      torch.randn(512, 1, generator=generator), torch.arange(512))
 options = json.loads(os.environ.get("FT_TEST_OPTIONS", "null"))  # Run(fault_tolerance=...)
 checkpoints = os.environ.get("FT_TEST_CHECKPOINT_DIR") or None
-run = paratrain.Run(strategy=strategy, progress=False, stragglers=False,
+# FT_TEST_SEMI_SYNC: {"kind": "DiLoCo" | "LocalSGD", its fields...}; the replicas are the
+# replica groups under --fault-tolerant (dp_shard=-1), else the ranks (dp_replicate=-1).
+semi = json.loads(os.environ.get("FT_TEST_SEMI_SYNC", "null"))
+parallel = None
+if semi is not None:
+    mode = getattr(paratrain, semi.pop("kind"))(**semi)
+    fault_tolerant = "PARATRAIN_REPLICA_GROUP" in os.environ
+    parallel = paratrain.Parallel.parse("dp_shard=-1" if fault_tolerant else "dp_replicate=-1")
+    parallel = dataclasses.replace(parallel, semi_sync=mode)
+    strategy = "auto"
+run = paratrain.Run(strategy=strategy, parallel=parallel, progress=False, stragglers=False,
                     fault_tolerance=options, checkpoint_dir=checkpoints,
                     checkpoint_every=8 if checkpoints else None)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))

@@ -52,6 +52,9 @@ class Topology:
             ``openmpi`` or ``none`` when unlaunched).
         shares_device: True when this node runs more processes than it has GPUs and they
             share them round-robin (``PARATRAIN_SHARE_GPUS=1``): useful for testing only.
+        replica_groups: fault-tolerant replica groups (``paratrain launch --fault-tolerant``),
+            each running this ``world_size``-process job, that replicate it through torchft;
+            1 without fault tolerance.
     """
 
     rank: int = 0
@@ -64,6 +67,7 @@ class Topology:
     backend: str = "gloo"
     source: str = "none"
     shares_device: bool = False
+    replica_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -145,7 +149,15 @@ class Topology:
         values = _discover(environ)
         device, backend, shared = _select_device(
             values["local_rank"], values["local_world_size"], accelerator, share_gpus)
-        return cls(device=device, backend=backend, shares_device=shared, **values)
+        return cls(device=device, backend=backend, shares_device=shared,
+                   replica_groups=_replica_groups(settings.replica_group), **values)
+
+
+def _replica_groups(replica_group: str | None) -> int:
+    """R of ``PARATRAIN_REPLICA_GROUP=G/R``; 1 when unset or malformed (it is validated,
+    in one line naming it, where the fault-tolerance options are resolved)."""
+    count = (replica_group or "").partition("/")[2]
+    return int(count) if count.isdigit() and int(count) > 0 else 1
 
 
 

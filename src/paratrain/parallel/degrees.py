@@ -111,7 +111,7 @@ class Parallel:
                                  f"set {degree} or drop {name}")
         self._check_semi_sync()
 
-    def _check_semi_sync(self, replicas: int | None = None) -> None:
+    def _check_semi_sync(self, replicas: int | None = None, replica_groups: int = 1) -> None:
         mode = self.semi_sync
         if mode is None:
             return
@@ -119,7 +119,14 @@ class Parallel:
             raise ValueError("Parallel.semi_sync must be a paratrain.LocalSGD, a "
                              f"paratrain.DiLoCo or None, got {type(mode).__name__}")
         name = type(mode).__name__
-        if (self.dp_replicate if replicas is None else replicas) == 1:
+        # The replicas are counted once the world is known (resolve): under fault
+        # tolerance they are the replica groups, each of dp_replicate=1.
+        if replicas is not None and replica_groups > 1 and replicas > 1:
+            raise ValueError(f"Parallel.semi_sync={name} under --fault-tolerant syncs the "
+                             f"{replica_groups} replica groups, so dp_replicate={replicas} "
+                             "inside a group has no place; set dp_replicate=1 (each group "
+                             "is one replica)")
+        if replicas == 1 and replica_groups == 1:
             raise ValueError(f"Parallel.semi_sync={name} needs dp_replicate > 1 (the replica "
                              "groups that sync every H steps); set dp_replicate or drop "
                              "semi_sync")
@@ -154,12 +161,14 @@ class Parallel:
         except ValueError as exc:
             raise ValueError(f"PARATRAIN_PARALLEL={value!r}: {exc}") from None
 
-    def resolve(self, *, world_size: int, local_world_size: int | None = None
-                ) -> ParallelDegrees:
+    def resolve(self, *, world_size: int, local_world_size: int | None = None,
+                replica_groups: int = 1) -> ParallelDegrees:
         """The validated degrees for a job; ValueError naming the bad degree.
 
         ``local_world_size`` (processes per node) bounds ``tp``: tensor-parallel ranks
-        exchange activations at every layer and must share a node.
+        exchange activations at every layer and must share a node. ``replica_groups``:
+        the fault-tolerant groups replicating the job, which are ``semi_sync``'s
+        replicas when there are several.
         """
         given = {name: getattr(self, name) for name in DEGREES}
         if (self.ep > 1 and given["dp_shard"] == 1 and given["dp_replicate"] == 1
@@ -187,7 +196,7 @@ class Parallel:
             raise ValueError(f"Parallel.tp={given['tp']} does not fit in a node of {node} "
                              "processes; tensor-parallel ranks must share a node: choose a "
                              f"tp that divides {node}")
-        self._check_semi_sync(given["dp_replicate"])
+        self._check_semi_sync(given["dp_replicate"], replica_groups)
         borrowed = given["dp_shard"] * given["cp"]
         if borrowed % self.ep:
             raise ValueError(f"Parallel.ep={self.ep} must divide dp_shard x cp = {borrowed} "

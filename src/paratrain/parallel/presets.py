@@ -190,7 +190,7 @@ class Resolved:
 
 
 def resolve_strategy(name: str, options: dict[str, Any], parallel: Any, *, world_size: int,
-                     local_world_size: int) -> Resolved:
+                     local_world_size: int, replica_groups: int = 1) -> Resolved:
     """What a run uses, given ``Run(strategy=, strategy_options=, parallel=)``.
 
     Without ``parallel`` the strategy runs with its options (a layout preset expands to
@@ -201,7 +201,8 @@ def resolve_strategy(name: str, options: dict[str, Any], parallel: Any, *, world
     if parallel is None:
         return Resolved(name, options)
     layout = Parallel.parse(parallel)
-    degrees = layout.resolve(world_size=world_size, local_world_size=local_world_size)
+    degrees = layout.resolve(world_size=world_size, local_world_size=local_world_size,
+                             replica_groups=replica_groups)
     if name in NOT_COMPOSABLE:
         raise ValueError(f"strategy {name!r} is not a layout of degrees and does not take "
                          f"parallel={str(layout)!r}; drop one of them")
@@ -217,7 +218,8 @@ def resolve_strategy(name: str, options: dict[str, Any], parallel: Any, *, world
     if meant is None:
         raise ValueError(f"unknown strategy {name!r} with parallel={str(layout)!r}; use "
                          "strategy='auto' (the default) with parallel=")
-    meant_degrees = meant.resolve(world_size=world_size, local_world_size=local_world_size)
+    meant_degrees = meant.resolve(world_size=world_size, local_world_size=local_world_size,
+                                  replica_groups=replica_groups)
     if meant_degrees != degrees:
         raise ValueError(f"strategy {name!r} means {describe(meant_degrees)} on {world_size} "
                          f"processes but parallel= says {describe(degrees)}; drop one of them")

@@ -93,7 +93,8 @@ def build_parts(config: RunConfig, settings: Settings,
             layout = Parallel.from_environment(settings.parallel)
         resolved = resolve_strategy(
             config.strategy, config.strategy_options, layout,
-            world_size=topology.world_size, local_world_size=topology.local_world_size)
+            world_size=topology.world_size, local_world_size=topology.local_world_size,
+            replica_groups=topology.replica_groups)
         strategy = create_strategy(resolved.name, topology, resolved.options,
                                    timeout_s=config.timeout_s, layout=resolved.layout)
         misuse.check_ps_servers(strategy.name, settings.ps_servers)

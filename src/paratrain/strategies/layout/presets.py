@@ -23,7 +23,8 @@ def build_layout(topology: Topology, layout: Parallel, *, name: str,
                  timeout_s: float = 300.0) -> LayoutStrategy:
     """The layout strategy for ``layout`` on this job, called ``name``."""
     degrees = layout.resolve(world_size=topology.world_size,
-                             local_world_size=topology.local_world_size)
+                             local_world_size=topology.local_world_size,
+                             replica_groups=topology.replica_groups)
     cls = LayoutStrategy
     if layout.semi_sync is not None:  # replicas that sync every H steps
         from paratrain.strategies.semisync.strategy import SemiSyncStrategy

@@ -92,15 +92,22 @@ class OuterSync:
         group: the ``replicate`` process group (this rank's replicate peers).
         replicas: its size, R.
         device: where the all-reduce runs (the process's device).
+        groups: under fault tolerance, the replica groups' quorum
+            (:class:`~paratrain.fault_tolerance.rounds.OuterRounds`), which carries each
+            sync instead of ``group``: a quorum, a sum over the groups in it, a vote.
     """
 
     def __init__(self, mode: Any, fragments: list[list[nn.Parameter]], *,
                  group: dist.ProcessGroup | None, replicas: int,
-                 device: torch.device) -> None:
+                 device: torch.device, groups: Any = None) -> None:
         self.mode = mode
         self.diloco = isinstance(mode, DiLoCo)
         self.fragments = [_buckets(params) for params in fragments]
         self.group, self.replicas, self.device = group, replicas, device
+        self.groups = groups
+        self.fresh: set[int] = set()
+        """Fragments whose parameters this group took from a healing peer since their last
+        sync: the group has no inner steps of its own to add to them (it sends zeros)."""
         self.steps = 0
         """Optimizer steps taken under semi-synchronous training (the schedule's clock)."""
         self.started = False
@@ -139,6 +146,13 @@ class OuterSync:
                    fragments=self.num_fragments):
                 self._start(index)
 
+    def join_sync(self) -> None:
+        """Fault tolerant: a group that healed on joining (its state now a peer's, which is
+        in the sync due after step ``steps``) takes part in that sync."""
+        for index in range(self.num_fragments):
+            if due(self.steps, fragment=index, every=self.every, fragments=self.num_fragments):
+                self._sync_groups(index)
+
     def wait(self) -> None:
         """Complete the all-reduces in flight (kept pending: they apply at the next step)."""
         for index in list(self._works):
@@ -148,6 +162,9 @@ class OuterSync:
     # -- one fragment -----------------------------------------------------------------
     @torch.no_grad()
     def _start(self, index: int) -> None:
+        if self.groups is not None:
+            self._sync_groups(index)
+            return
         buckets = self.fragments[index]
         if not self.diloco:
             for bucket in buckets:
@@ -184,7 +201,37 @@ class OuterSync:
         return gathered, all_gather_single(gathered, send, self.group, async_op=async_op)
 
     @torch.no_grad()
-    def _finish(self, index: int) -> None:
+    def _sync_groups(self, index: int) -> None:
+        """Fragment ``index``'s sync across fault-tolerant replica groups: each group sends
+        what it would over a process group (a fresh group zeros) and a 1 (fresh: 0), so the
+        sum says how many groups sent; the mean is over those."""
+        def messages(groups: int) -> list[torch.Tensor]:
+            fresh = index in self.fresh
+            sends = []
+            for bucket in self.fragments[index]:
+                value = bucket.flat()
+                if getattr(self.mode, "comm_dtype", None) == "bf16":
+                    value = (bucket.snapshot - value).div_(groups).to(torch.bfloat16)
+                sends.append((value.zero_() if fresh else value).to(self.device))
+            return [*sends, torch.tensor([0.0 if fresh else 1.0], device=self.device)]
+
+        summed = self.groups.outer_round(self.steps, messages)
+        self.fresh.discard(index)
+        if summed is None or not summed.sent:  # not committed: the next sync covers both
+            return
+        if not self.diloco:
+            for bucket, total in zip(self.fragments[index], summed.totals):
+                bucket.assign(total.div_(summed.sent))
+            self.outer_steps += 1
+            return
+        self.pending[index] = summed.totals
+        self._finish(index, sent=summed.sent, groups=summed.groups)
+
+    @torch.no_grad()
+    def _finish(self, index: int, *, sent: int | None = None, groups: int | None = None) -> None:
+        """Apply fragment ``index``'s outer step from its sums: over ``self.replicas``
+        replicas, or (fault tolerant) over the ``sent`` of ``groups`` that sent."""
+        replicas = self.replicas if sent is None else sent
         for work in self._works.pop(index, []):
             work.wait()
         mode = self.mode
@@ -192,13 +239,15 @@ class OuterSync:
             snapshot, mu = bucket.snapshot, mode.outer_momentum
             total = total.to(snapshot.device)
             if mode.comm_dtype == "int8":
-                pseudo = mean_of(total, self.replicas).to(snapshot.dtype)
+                pseudo = mean_of(total, replicas).to(snapshot.dtype)
                 target = snapshot - pseudo
             elif mode.comm_dtype == "bf16":
                 pseudo = total.to(snapshot.dtype)
+                if groups is not None and groups != sent:  # each divided by all groups
+                    pseudo.mul_(groups / sent)
                 target = snapshot - pseudo
             else:
-                target = total.div_(self.replicas)  # mean(x_i), as local SGD's
+                target = total.div_(replicas)  # mean(x_i), as local SGD's
                 pseudo = snapshot - target if mu > 0 else None
             extra = None
             if mu > 0:

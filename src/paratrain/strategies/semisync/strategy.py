@@ -55,6 +55,13 @@ class SemiSyncStrategy(LayoutStrategy):
         """The outer state and step, once the optimizer is prepared."""
         self._units: list[list[str]] = []
         self._optimizer: torch.optim.Optimizer | None = None
+        self._groups: Any = None
+
+    def replicate_through(self, rounds: Any) -> None:
+        """Fault tolerant: the replicas are torchft's replica groups, met at each outer sync
+        through ``rounds`` (:class:`~paratrain.fault_tolerance.rounds.OuterRounds`), not
+        the mesh's ``replicate`` group (of size 1 inside a group)."""
+        self._groups = rounds
 
     @property
     def semi_sync(self) -> Any:
@@ -62,7 +69,9 @@ class SemiSyncStrategy(LayoutStrategy):
 
     def notice(self) -> str | None:
         line = super().notice() or f"strategy {self.name!r}"
-        return (f"{line}; {self.degrees.replicate_degree} replica groups, "
+        groups = (f"{self.topology.replica_groups} fault-tolerant"
+                  if self.topology.replica_groups > 1 else self.degrees.replicate_degree)
+        return (f"{line}; {groups} replica groups, "
                 f"{describe_semi_sync(self.semi_sync)}")
 
     # -- set-up ---------------------------------------------------------------------
@@ -80,9 +89,13 @@ class SemiSyncStrategy(LayoutStrategy):
                              "optimizer")
         fragments = fragment_parameters(self._units, self._params, optimizer,
                                         getattr(self.semi_sync, "fragments", 1))
-        self.outer = OuterSync(self.semi_sync, fragments, group=self.mesh.group("replicate"),
+        # Fault tolerant: the groups are met through torchft, not a replicate process group.
+        replicate = self.mesh.group("replicate") if self._groups is None else None
+        self.outer = OuterSync(self.semi_sync, fragments, group=replicate,
                                replicas=self.degrees.replicate_degree,
-                               device=self.topology.device)
+                               device=self.topology.device, groups=self._groups)
+        if self._groups is not None:
+            self._groups.attach(self.outer)
         self._optimizer = optimizer
         return optimizer
 
