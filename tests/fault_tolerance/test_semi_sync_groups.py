@@ -22,12 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_fault_tolerant_launch import _finish, _steps, _wait_for_step  # noqa: E402
 
 
-def _launch(out: Path, mode: dict, *flags: str, sleep_s: float = 0.0,
-            epochs: int = 1) -> subprocess.Popen:
+def _launch(out: Path, mode: dict, *flags: str, sleep_s: float = 0.0, epochs: int = 1,
+            parallel: str = "") -> subprocess.Popen:
     argv = [sys.executable, "-m", "paratrain.cli", "launch", *flags, str(SCRIPT), str(out),
             str(sleep_s), str(epochs)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "FT_TEST_SEMI_SYNC": json.dumps(mode)})
+                            env={**os.environ, "FT_TEST_SEMI_SYNC": json.dumps(mode),
+                                 "FT_TEST_PARALLEL": parallel})
 
 
 MODES = [
@@ -57,6 +58,26 @@ def test_groups_train_bitwise_as_the_same_mode_over_two_ranks(tmp_path, mode):
     a, b = (_steps(ft_dir / f"group{g}-rank0.jsonl") for g in (0, 1))
     synced = [x["step"] for x, y in zip(a, b) if x["digest"] == y["digest"]]
     assert synced == [4, 8, 12, 16]  # replicas of each other right after each sync only
+
+
+@pytest.mark.slow
+def test_fsdp_inside_each_group_is_hsdp_diloco(tmp_path):
+    """Two groups of two FSDP ranks: rank i of group g holds, step by step, the shard of
+    rank 2g + i of DiLoCo over dp_replicate=2 x dp_shard=2 in one job."""
+    mode = {"kind": "DiLoCo", "every": 4}
+    ft_dir, plain_dir = tmp_path / "ft", tmp_path / "plain"
+    ft_dir.mkdir()
+    plain_dir.mkdir()
+    _finish(_launch(ft_dir, mode, "--fault-tolerant", "--replica-groups", "2",
+                    "--nproc-per-node", "2"))
+    _finish(_launch(plain_dir, mode, "--nproc-per-node", "4",
+                    parallel="dp_replicate=2,dp_shard=2"))
+    for group in (0, 1):
+        for rank in (0, 1):
+            shards = _steps(ft_dir / f"group{group}-rank{rank}.jsonl")
+            plain = _steps(plain_dir / f"group0-rank{2 * group + rank}.jsonl")
+            assert len(shards) == 8
+            assert [s["digest"] for s in shards] == [s["digest"] for s in plain]
 
 
 def test_int8_and_overlap_are_refused_in_one_line_under_fault_tolerance(tmp_path):

@@ -38,7 +38,8 @@ parallel = None
 if semi is not None:
     mode = getattr(paratrain, semi.pop("kind"))(**semi)
     fault_tolerant = "PARATRAIN_REPLICA_GROUP" in os.environ
-    parallel = paratrain.Parallel.parse("dp_shard=-1" if fault_tolerant else "dp_replicate=-1")
+    parallel = paratrain.Parallel.parse(os.environ.get("FT_TEST_PARALLEL") or (
+        "dp_shard=-1" if fault_tolerant else "dp_replicate=-1"))
     parallel = dataclasses.replace(parallel, semi_sync=mode)
     strategy = "auto"
 run = paratrain.Run(strategy=strategy, parallel=parallel, progress=False, stragglers=False,
