@@ -94,6 +94,8 @@ class OuterRounds(ReplicaQuorum):
         if self._outer is None:
             raise RuntimeError("semi_sync under fault tolerance needs the optimizer prepared "
                                "(run.prepare(model, optimizer)) before run.epochs()")
+        if self._manager is not None:
+            return None  # joined already (another run.epochs())
         self._healed_into_round = False
         healed = super().join(state, precision, cursor, restarted=restarted)
         if healed is not None and self._healed_into_round:
