@@ -31,14 +31,11 @@ def _launch(out: Path, mode: dict, *flags: str, sleep_s: float = 0.0, epochs: in
                                  "FT_TEST_PARALLEL": parallel})
 
 
-MODES = [
-    {"kind": "DiLoCo", "every": 4},
-    {"kind": "DiLoCo", "every": 4, "comm_dtype": "bf16"},
-    {"kind": "LocalSGD", "every": 4},
-]
+# bf16 pseudo-gradients: the same round, other messages (their arithmetic: test_rounds.py).
+MODES = [{"kind": "DiLoCo", "every": 4}, {"kind": "LocalSGD", "every": 4}]
 
 
-@pytest.mark.parametrize("mode", MODES, ids=lambda m: m["kind"] + m.get("comm_dtype", ""))
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m["kind"])
 def test_groups_train_bitwise_as_the_same_mode_over_two_ranks(tmp_path, mode):
     ft_dir, plain_dir = tmp_path / "ft", tmp_path / "plain"
     ft_dir.mkdir()
