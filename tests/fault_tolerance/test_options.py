@@ -91,7 +91,7 @@ def test_the_variables_set_above_did_not_leak():
 def test_float16_loss_scaling_is_refused_with_replica_groups():
     from types import SimpleNamespace
 
-    from paratrain.fault_tolerance.quorum import replica_groups
+    from paratrain.fault_tolerance.axis import replica_groups
     settings = SimpleNamespace(replica_group="0/2", lighthouse="http://h:1")
     with pytest.raises(ValueError, match="precision='16-mixed' is not supported"):
         replica_groups(None, settings, None, print, None, "16-mixed")

@@ -32,8 +32,8 @@ from paratrain.data.batched import build_loader
 from paratrain.data.loader import DistributedLoader, ShardedSampler, check_map_style
 from paratrain.distributed import _compat
 from paratrain.distributed.process_group import destroy_process_group
+from paratrain.fault_tolerance.axis import replica_groups
 from paratrain.fault_tolerance.options import group_checkpoint_dir
-from paratrain.fault_tolerance.quorum import replica_groups
 from paratrain.reliability import signals
 from paratrain.reliability.stragglers import StragglerDetector
 from paratrain.run import collective_calls, hooks, misuse
