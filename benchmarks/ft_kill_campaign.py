@@ -18,8 +18,14 @@ Downtime: on rank 0's log, the time between its last step before the kill and it
 step after the restart; also the steps redone and the time until it passes its pre-kill
 step again.
 
+With ``--diloco H`` both jobs run DiLoCo every H steps (the replicas: the two groups,
+or the two ranks); the groups meet only at syncs, so a healed process is compared with
+the survivor at the sync steps (multiples of H), where both hold the synchronised
+parameters.
+
     python benchmarks/ft_kill_campaign.py --kills 10 --seed 1
     python benchmarks/ft_kill_campaign.py --quick          # 2 kills each
+    python benchmarks/ft_kill_campaign.py --kills 10 --diloco 4 --elastic-kills 0
 """
 
 from __future__ import annotations
@@ -167,11 +173,12 @@ def ft_campaign(work: Path, plan: list[tuple[float, int]], sleep_s: float,
             stop(job, out, timeout)
         except Failed as exc:
             print(f"FAILED (fault tolerant): {exc}; log {job.log}", flush=True)
-    analyse_ft(kills, logs, (work / "ft.log").read_text())
+    analyse_ft(kills, logs, (work / "ft.log").read_text(), every=int(
+        os.environ.get("KILL_JOB_DILOCO", "0") or 0) or 1)
     return kills
 
 
-def analyse_ft(kills: list[dict], logs: list[Path], output: str) -> None:
+def analyse_ft(kills: list[dict], logs: list[Path], output: str, every: int = 1) -> None:
     final = [rows(p) for p in logs]
     heals = {0: [], 1: []}
     for m in HEALED.finditer(output):
@@ -193,7 +200,8 @@ def analyse_ft(kills: list[dict], logs: list[Path], output: str) -> None:
                                        for x, y in pairs)
         kill["uncommitted"] = sum(y["digest"] == x["digest"] for x, y in pairs)
         by_step = {r["step"]: r["digest"] for r in surv}
-        healed = [r for r in final[v] if r["pid"] == back["pid"] and r["step"] in by_step]
+        healed = [r for r in final[v] if r["pid"] == back["pid"] and r["step"] in by_step
+                  and r["step"] % every == 0]  # DiLoCo: equal right after each sync only
         kill["compared"] = len(healed)
         kill["bitwise"] = bool(healed) and all(by_step[r["step"]] == r["digest"] for r in healed)
         kill["first_mismatch"] = next((r["step"] for r in healed
@@ -250,7 +258,9 @@ def fmt(x, spec: str = ".2f") -> str:
 
 
 def report_ft(kills: list[dict], seed: int, output: str) -> list[float]:
-    print(f"\nFault tolerant (torchft), 2 replica groups x 1 rank, {len(kills)} kills, seed {seed}")
+    mode = os.environ.get("KILL_JOB_DILOCO")
+    print(f"\nFault tolerant (torchft), 2 replica groups x 1 rank"
+          f"{f', DiLoCo every {mode} steps' if mode else ''}, {len(kills)} kills, seed {seed}")
     print("| kill | group killed | its last step | survivor's step | survivor's longest stall "
           "(s) | survivor's step numbers skipped/repeated | survivor's updates not applied "
           "| kill -> victim training again (s) | heal (s, log) | healed bitwise |\n"
@@ -310,7 +320,10 @@ def main() -> int:
     add("--sleep-s", type=float, default=0.1, help="the job's sleep after each step")
     add("--checkpoint-every", type=int, default=10, help="elastic run's checkpoint interval")
     add("--timeout", type=float, default=240.0, help="longest wait for one event (s)")
+    add("--diloco", type=int, default=0, metavar="H", help="DiLoCo every H steps (0: DDP)")
     args = parser.parse_args()
+    if args.diloco:
+        os.environ["KILL_JOB_DILOCO"] = str(args.diloco)  # read by the job (and analyse_ft)
     if args.quick:
         args.kills, args.elastic_kills = 2, 2
     elastic_kills = args.kills if args.elastic_kills is None else args.elastic_kills

@@ -2,7 +2,8 @@
 
     ft_kill_job.py OUT_DIR SLEEP_S [CHECKPOINT_DIR CHECKPOINT_EVERY]
 
-``tests/scripts/ft_train.py`` with two additions: an optional checkpoint directory (for
+``tests/scripts/ft_train.py`` (with ``KILL_JOB_DILOCO=H``: DiLoCo every H steps) with two
+additions: an optional checkpoint directory (for
 the elastic-restart comparison, where the restarted workers resume from it) and an end
 chosen while it runs: it trains until the global step written to ``OUT_DIR/stop_at``
 (written well ahead, so that every rank and group stops after the same step). Each
@@ -30,8 +31,17 @@ checkpoint_every = int(sys.argv[4]) if len(sys.argv) > 4 else None
 generator = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(512, 8, generator=generator),
                      torch.randn(512, 1, generator=generator))
-run = paratrain.Run(strategy="ddp", progress=False, stragglers=False,
-                    checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+# KILL_JOB_DILOCO=H: DiLoCo every H steps; the replicas are the replica groups under
+# --fault-tolerant (dp_replicate=1 in each), else the ranks of the one job.
+every = int(os.environ.get("KILL_JOB_DILOCO", "0") or 0)
+parallel = None
+if every:
+    fault_tolerant = "PARATRAIN_REPLICA_GROUP" in os.environ
+    parallel = paratrain.Parallel(dp_replicate=1 if fault_tolerant else -1,
+                                  semi_sync=paratrain.DiLoCo(every=every))
+run = paratrain.Run(strategy="auto" if every else "ddp", parallel=parallel, progress=False,
+                    stragglers=False, checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=checkpoint_every)
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 model, optimizer = run.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-2))
 loader = run.loader(data, batch_size=16)
