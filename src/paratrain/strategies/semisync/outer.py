@@ -216,8 +216,10 @@ class OuterSync:
             return [*sends, torch.tensor([0.0 if fresh else 1.0], device=self.device)]
 
         summed = self.groups.outer_round(self.steps, messages)
-        self.fresh.discard(index)
-        if summed is None or not summed.sent:  # not committed: the next sync covers both
+        if summed is None:  # not committed: the next sync covers both rounds
+            return
+        self.fresh.discard(index)  # the peer's progress is in the outer step now
+        if not summed.sent:
             return
         if not self.diloco:
             for bucket, total in zip(self.fragments[index], summed.totals):
