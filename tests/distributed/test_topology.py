@@ -210,3 +210,11 @@ def test_spawned_cpu_ranks_do_not_see_gpus(monkeypatch):
     # The parent's environment is as it was.
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
     assert os.environ["PARATRAIN_ACCELERATOR"] == "cpu"
+
+
+def test_fault_tolerant_replica_groups_come_from_the_launchers_variable():
+    assert Topology.from_env({}).replica_groups == 1
+    env = {"RANK": "0", "WORLD_SIZE": "2", "PARATRAIN_REPLICA_GROUP": "1/3"}
+    assert Topology.from_env(env, accelerator="cpu").replica_groups == 3
+    with pytest.raises(ValueError, match="PARATRAIN_REPLICA_GROUP must be GROUP/GROUPS"):
+        Topology.from_env({"PARATRAIN_REPLICA_GROUP": "3"}, accelerator="cpu")

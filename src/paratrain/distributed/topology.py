@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paratrain.fault_tolerance.options import parse_replica_group
 from paratrain.settings import Settings
 
 ACCELERATORS = ("auto", "cpu", "cuda")
@@ -154,10 +155,8 @@ class Topology:
 
 
 def _replica_groups(replica_group: str | None) -> int:
-    """R of ``PARATRAIN_REPLICA_GROUP=G/R``; 1 when unset or malformed (it is validated,
-    in one line naming it, where the fault-tolerance options are resolved)."""
-    count = (replica_group or "").partition("/")[2]
-    return int(count) if count.isdigit() and int(count) > 0 else 1
+    """R of ``PARATRAIN_REPLICA_GROUP=G/R`` (one line naming it when malformed); 1 unset."""
+    return 1 if replica_group is None else parse_replica_group(replica_group)[1]
 
 
 
