@@ -167,21 +167,18 @@ class OuterSync:
             return
         buckets = self.fragments[index]
         if not self.diloco:
-            for bucket in buckets:
-                total = self._all_reduce(bucket.flat(), async_op=False)[0]
-                bucket.assign(total.div_(self.replicas))
-            self.outer_steps += 1
+            totals = [self._all_reduce(self._message(b, self.replicas), async_op=False)[0]
+                      for b in buckets]
+            self._assign_mean(index, totals, self.replicas)
             return
         overlap, comm, sends, works = self.mode.overlap, self.mode.comm_dtype, [], []
         for bucket in buckets:
-            value = bucket.flat()
-            if comm == "bf16":
-                # Divided first (exact for a power-of-two R) so that the bf16 sum stays small.
-                value = (bucket.snapshot - value).div_(self.replicas).to(torch.bfloat16)
             if comm == "int8":
-                send, work = self._all_gather(pack(bucket.snapshot - value), async_op=overlap)
+                send, work = self._all_gather(pack(bucket.snapshot - bucket.flat()),
+                                              async_op=overlap)
             else:
-                send, work = self._all_reduce(value, async_op=overlap)
+                send, work = self._all_reduce(self._message(bucket, self.replicas),
+                                              async_op=overlap)
             sends.append(send)
             works.append(work)
         self.pending[index] = sends
@@ -189,6 +186,21 @@ class OuterSync:
             self._works[index] = works
         else:
             self._finish(index)
+
+    def _message(self, bucket: Bucket, replicas: int) -> torch.Tensor:
+        """What ``bucket`` adds to a sum over ``replicas``: its parameters, or with bf16 its
+        pseudo-gradient, divided first (exact for a power-of-two R) so the bf16 sum stays
+        small."""
+        value = bucket.flat()
+        if getattr(self.mode, "comm_dtype", None) == "bf16":
+            value = (bucket.snapshot - value).div_(replicas).to(torch.bfloat16)
+        return value
+
+    def _assign_mean(self, index: int, totals: list[torch.Tensor], count: int) -> None:
+        """Local SGD's outer step: fragment ``index``'s parameters become their mean."""
+        for bucket, total in zip(self.fragments[index], totals):
+            bucket.assign(total.div_(count))
+        self.outer_steps += 1
 
     def _all_reduce(self, tensor: torch.Tensor, *, async_op: bool) -> tuple[torch.Tensor, Any]:
         send = tensor.to(self.device)
@@ -207,12 +219,8 @@ class OuterSync:
         sum says how many groups sent; the mean is over those."""
         def messages(groups: int) -> list[torch.Tensor]:
             fresh = index in self.fresh
-            sends = []
-            for bucket in self.fragments[index]:
-                value = bucket.flat()
-                if getattr(self.mode, "comm_dtype", None) == "bf16":
-                    value = (bucket.snapshot - value).div_(groups).to(torch.bfloat16)
-                sends.append((value.zero_() if fresh else value).to(self.device))
+            sends = [self._message(bucket, groups) for bucket in self.fragments[index]]
+            sends = [(value.zero_() if fresh else value).to(self.device) for value in sends]
             return [*sends, torch.tensor([0.0 if fresh else 1.0], device=self.device)]
 
         summed = self.groups.outer_round(self.steps, messages)
@@ -222,9 +230,7 @@ class OuterSync:
         if not summed.sent:
             return
         if not self.diloco:
-            for bucket, total in zip(self.fragments[index], summed.totals):
-                bucket.assign(total.div_(summed.sent))
-            self.outer_steps += 1
+            self._assign_mean(index, summed.totals, summed.sent)
             return
         self.pending[index] = summed.totals
         self._finish(index, sent=summed.sent, groups=summed.groups)
