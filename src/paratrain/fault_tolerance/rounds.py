@@ -147,7 +147,10 @@ class OuterRounds(ReplicaQuorum):
         return None
 
     def _sum(self, tensors: list[torch.Tensor]) -> bool:
-        """Sum ``tensors`` in place over the quorum's groups; False if a peer failed."""
-        for tensor in tensors:
-            self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        """Sum ``tensors`` in place over the quorum's groups; False if a peer failed. All
+        are sent before any is waited for: on a slow link the count costs no round trip
+        of its own."""
+        works = [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]
+        for work in works:
+            work.wait()
         return self._manager.errored() is None
