@@ -82,3 +82,30 @@ def test_another_model_is_refused_in_one_line():
     other = SimpleNamespace(**{**vars(_rank(seed=0)[0]), "models": [nn.Linear(4, 1)]})
     with pytest.raises(RuntimeError, match="the healing peer's model differs from this one"):
         heal.restore(other, precision, sent)
+
+
+def test_a_peer_healing_after_an_epochs_last_batch_starts_the_next_epoch():
+    """The cursor a live rank sends is the one its checkpoint would hold: after the last
+    batch of epoch 0, (1, 0), not epoch 0 at its end (which a loader starts over)."""
+    import paratrain
+
+    run = paratrain.Run(strategy="single", progress=False, stragglers=False)
+    joined = []
+
+    class Replicas(type(run._replicas)):
+        def join(self, state, precision, cursor, *, restarted=False):
+            joined.append(cursor)
+
+    run._replicas = Replicas()
+    model = nn.Linear(2, 1)
+    model, optimizer = run.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+    loader = run.loader(data, batch_size=4, shuffle=False)
+    seen = []
+    for _ in run.epochs(1):
+        for x, y in loader:
+            run.backward(nn.functional.mse_loss(model(x), y))
+            run.step(optimizer)
+            seen.append(joined[0]())
+    run.close()
+    assert seen == [DataCursor(epoch=0, offset=4), DataCursor(epoch=1, offset=0)]

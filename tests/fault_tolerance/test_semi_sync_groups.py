@@ -125,6 +125,9 @@ def test_a_killed_group_heals_into_the_next_sync_and_the_survivor_never_stops(tm
     assert syncs and all(by_step[step] == d for step, d in
                          ((s["step"], s["digest"]) for s in healed if s["step"] % 4 == 0))
     assert first % 4 == 1, "the healed group resumes right after the sync it healed into"
+    # Healed into the epoch its peer is in (also at an epoch's last step: the next one).
+    epochs = {s["step"]: s["epoch"] for s in steps}
+    assert all(epochs[s["step"]] == s["epoch"] for s in healed)
     # Within the victim group no step and no sample is trained twice in an epoch.
     rows = _steps(victim)
     assert len({s["step"] for s in rows}) == len(rows), "a step repeated in the victim group"

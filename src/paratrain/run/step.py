@@ -54,7 +54,10 @@ class TrainStep:
         """Fault tolerant: the first quorum; a group that came back resumes at its healing
         peer's data cursor, with fresh random streams (as after a resume on another world
         size), since its own streams died with it."""
-        cursor = self._replicas.join(self.state, self.precision, self._data_cursor,
+        # A peer healing from this rank continues where a checkpoint of it would: at the
+        # next sample (after an epoch's last batch, the next epoch's first).
+        cursor = self._replicas.join(self.state, self.precision,
+                                     lambda: self.state.loaders.cursor(self.state.epoch),
                                      restarted=self.settings.restart_count > 0)
         if cursor is not None:
             self.state.resume_at(cursor)
