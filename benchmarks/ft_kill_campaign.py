@@ -141,7 +141,7 @@ def stop(job: Job, out: Path, timeout: float) -> None:
 
 
 def ft_campaign(work: Path, plan: list[tuple[float, int]], sleep_s: float,
-                timeout: float) -> list[dict]:
+                timeout: float, every: int = 1) -> list[dict]:
     out = work / "ft"
     out.mkdir()
     argv = [sys.executable, "-m", "paratrain.cli", "launch", "--fault-tolerant",
@@ -173,8 +173,7 @@ def ft_campaign(work: Path, plan: list[tuple[float, int]], sleep_s: float,
             stop(job, out, timeout)
         except Failed as exc:
             print(f"FAILED (fault tolerant): {exc}; log {job.log}", flush=True)
-    analyse_ft(kills, logs, (work / "ft.log").read_text(), every=int(
-        os.environ.get("KILL_JOB_DILOCO", "0") or 0) or 1)
+    analyse_ft(kills, logs, (work / "ft.log").read_text(), every=every)
     return kills
 
 
@@ -257,8 +256,8 @@ def fmt(x, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report_ft(kills: list[dict], seed: int, output: str) -> list[float]:
-    mode = os.environ.get("KILL_JOB_DILOCO")
+def report_ft(kills: list[dict], seed: int, output: str, every: int = 0) -> list[float]:
+    mode = every or None
     print(f"\nFault tolerant (torchft), 2 replica groups x 1 rank"
           f"{f', DiLoCo every {mode} steps' if mode else ''}, {len(kills)} kills, seed {seed}")
     print("| kill | group killed | its last step | survivor's step | survivor's longest stall "
@@ -323,7 +322,7 @@ def main() -> int:
     add("--diloco", type=int, default=0, metavar="H", help="DiLoCo every H steps (0: DDP)")
     args = parser.parse_args()
     if args.diloco:
-        os.environ["KILL_JOB_DILOCO"] = str(args.diloco)  # read by the job (and analyse_ft)
+        os.environ["KILL_JOB_DILOCO"] = str(args.diloco)  # read by the jobs
     if args.quick:
         args.kills, args.elastic_kills = 2, 2
     elastic_kills = args.kills if args.elastic_kills is None else args.elastic_kills
@@ -335,10 +334,11 @@ def main() -> int:
     print(f"seed {args.seed}; delays (s) {[round(d, 2) for d in delays]}; victims {victims}; "
           f"work dir {work}; load average {os.getloadavg()[0]:.1f}", flush=True)
     started = time.monotonic()
-    ft = ft_campaign(work, list(zip(delays, victims)), args.sleep_s, args.timeout)
+    ft = ft_campaign(work, list(zip(delays, victims)), args.sleep_s, args.timeout,
+                     every=args.diloco or 1)
     el = (elastic_campaign(work, delays[:elastic_kills], args.sleep_s, args.checkpoint_every,
                            args.timeout) if elastic_kills else [])
-    stalls = report_ft(ft, args.seed, (work / "ft.log").read_text())
+    stalls = report_ft(ft, args.seed, (work / "ft.log").read_text(), every=args.diloco)
     ft_steps = rows(work / "ft" / "group0-rank0.jsonl")
     gaps = sorted(y["t"] - x["t"] for x, y in zip(ft_steps, ft_steps[1:]))
     if gaps:
