@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.distributed.device import free_port
+from paratrain.testing import pool
 
 REPO = Path(__file__).resolve().parents[1]
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -75,3 +76,22 @@ def python() -> str:
 @pytest.fixture
 def paratrain_cmd() -> list[str]:
     return [sys.executable, "-m", "paratrain.cli"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def rank_pools():
+    """The persistent rank pools live for the session and stop with it."""
+    yield
+    pool.close_pools()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How much the rank pools were reused, and why any was replaced."""
+    stats = pool.STATS
+    if not stats["tasks"]:
+        return
+    terminalreporter.write_line(
+        f"rank pool: {stats['tasks']} spawn calls on {stats['pools_started']} pool starts; "
+        f"{len(stats['retired'])} pools retired")
+    for reason in stats["retired"]:
+        terminalreporter.write_line(f"  retired after {reason}")

@@ -19,10 +19,10 @@ from torch import nn
 import paratrain
 from paratrain.config import RunConfig
 from paratrain.distributed.mesh import ParallelDegrees
-from paratrain.distributed.spawn import spawn
 from paratrain.float8 import Float8, check_available, convert, output_heads
 from paratrain.models import GPT
 from paratrain.precision import Precision
+from paratrain.testing.pool import spawn
 
 VOCAB, BLOCK, STEPS = 64, 16, 4
 

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.sync_batchnorm import GroupBatchNorm
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 

@@ -8,8 +8,8 @@ from torch import nn
 import paratrain
 from paratrain.adapters import _REGISTERED as registered
 from paratrain.adapters import ModelAdapter, adapter_for, register_adapter
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.tensor.plan import resolve_plan, split_attributes
+from paratrain.testing.pool import spawn
 
 transformers = pytest.importorskip("transformers")
 torchvision = pytest.importorskip("torchvision")

@@ -10,13 +10,13 @@ from torch import nn
 
 from paratrain.adapters import _REGISTERED as registered
 from paratrain.adapters import ModelAdapter, register_adapter
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.tensor.plan import (
     automatic_plan,
     check_divisible,
     resolve_plan,
     split_attributes,
 )
+from paratrain.testing.pool import spawn
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))

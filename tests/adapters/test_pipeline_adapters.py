@@ -17,9 +17,9 @@ import model_layouts  # noqa: E402
 
 import paratrain  # noqa: E402
 from paratrain.adapters import ModelAdapter  # noqa: E402
-from paratrain.distributed.spawn import spawn  # noqa: E402
 from paratrain.strategies.pipeline.adapted import adapted_layout, prepare_inputs  # noqa: E402
 from paratrain.strategies.pipeline.layout import split_model  # noqa: E402
+from paratrain.testing.pool import spawn  # noqa: E402
 
 TIES = {"llama_tied": ("model.embed_tokens.weight", "lm_head.weight"),
         "gpt2": ("transformer.wte.weight", "lm_head.weight"),

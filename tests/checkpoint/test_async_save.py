@@ -21,7 +21,7 @@ from torch import nn
 import paratrain
 from paratrain.checkpoint import files as checkpoint
 from paratrain.checkpoint.files import CheckpointError
-from paratrain.distributed.spawn import spawn
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 

@@ -20,7 +20,7 @@ from torch import nn
 import paratrain
 from paratrain.checkpoint.files import CheckpointError, CorruptCheckpoint
 from paratrain.distributed.device import free_port
-from paratrain.distributed.spawn import spawn
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 

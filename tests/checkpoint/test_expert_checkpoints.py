@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
 from paratrain.testing.language import token_dataset
+from paratrain.testing.pool import spawn
 
 VOCAB, LENGTH = 16, 8
 

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 import paratrain
 from paratrain.checkpoint import huggingface
 from paratrain.checkpoint.meta_init import empty_weights
-from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.dtensor_params import whole_model_state
+from paratrain.testing.pool import spawn
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

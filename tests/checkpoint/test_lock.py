@@ -17,7 +17,7 @@ import pytest
 
 from paratrain.checkpoint import lock as dirlock
 from paratrain.checkpoint.lock import LOCK_NAME, CheckpointDirInUse, acquire
-from paratrain.distributed.spawn import spawn
+from paratrain.testing.pool import spawn
 
 TRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "fault_train.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -18,8 +18,8 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.device import free_port
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import local_module
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 STOP_AT, TOTAL = 2, 4  # 6 steps per epoch: the resumed run continues mid-epoch

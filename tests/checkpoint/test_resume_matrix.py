@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import local_module
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 GLOBAL_BATCH, NUM_SAMPLES, EPOCHS, STOP_AT = 8, 24, 2, 2  # 3 steps per epoch

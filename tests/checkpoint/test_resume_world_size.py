@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.testing.numerics import TrainingBound, assert_params_within
+from paratrain.testing.pool import spawn
 
 NUM_SAMPLES, GLOBAL_BATCH, EPOCHS, STOP_AT = 48, 8, 2, 3  # 6 steps per epoch
 

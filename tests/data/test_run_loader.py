@@ -8,7 +8,7 @@ from torch import nn
 import paratrain
 from paratrain.data import ShardedSampler
 from paratrain.data.batched import build_loader
-from paratrain.distributed.spawn import spawn
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 CPU = torch.device("cpu")

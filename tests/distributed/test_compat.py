@@ -129,7 +129,7 @@ def _conv1d_worker(rank, world_size):
 
 def test_transposed_linear_style_splits_conv1d_as_torch_splits_a_linear():
     pytest.importorskip("transformers")
-    from paratrain.distributed.spawn import spawn
+    from paratrain.testing.pool import spawn
 
     for result in spawn(_conv1d_worker, 2, timeout=120):
         # (in, out) weights: colwise halves the columns and the bias, rowwise the rows

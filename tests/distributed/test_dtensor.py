@@ -10,8 +10,8 @@ from torch import nn
 
 from paratrain.distributed import dtensor
 from paratrain.distributed.mesh import ParallelDegrees, ParallelMesh
-from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
+from paratrain.testing.pool import spawn
 
 SEQUENTIAL = "sequential all_gather"
 

@@ -15,8 +15,8 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.process_group import init_process_group
-from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
+from paratrain.testing.pool import spawn
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 

@@ -202,7 +202,7 @@ def visibility_worker(rank, world_size):
 def test_spawned_cpu_ranks_do_not_see_gpus(monkeypatch):
     import os
 
-    from paratrain.distributed.spawn import spawn
+    from paratrain.testing.pool import spawn
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert spawn(visibility_worker, 1) == [("", "cpu")]

@@ -10,9 +10,10 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.process_group import destroy_process_group
-from paratrain.distributed.spawn import WorkerFailed, spawn
+from paratrain.distributed.spawn import WorkerFailed
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.capabilities import local_module
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 pytestmark = pytest.mark.gpu

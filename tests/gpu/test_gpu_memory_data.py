@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 import paratrain
 from paratrain.data import batched as batched_module
 from paratrain.data import loader as data_module
-from paratrain.distributed.spawn import spawn
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 pytestmark = pytest.mark.gpu

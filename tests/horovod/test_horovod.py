@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain.horovod as hvd
-from paratrain.distributed.spawn import spawn
 from paratrain.testing.numerics import TrainingBound, assert_params_within
+from paratrain.testing.pool import spawn
 
 MICRO_BATCH = 4  # per rank and backward pass
 NUM_STEPS = 3

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
 from paratrain.testing.language import (
     evaluate_tokens,
@@ -27,6 +26,7 @@ from paratrain.testing.numerics import (
     assert_losses_within,
     assert_params_within,
 )
+from paratrain.testing.pool import spawn
 
 VOCAB, BLOCK, STEPS, GLOBAL_BATCH = 16, 8, 3, 8
 

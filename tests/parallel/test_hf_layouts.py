@@ -10,9 +10,9 @@ import torch
 from torch.utils.data import Dataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.testing.language import whole_state
 from paratrain.testing.numerics import TrainingBound, assert_losses_within, assert_params_within
+from paratrain.testing.pool import spawn
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,9 +5,9 @@ import torch
 
 import paratrain
 from paratrain.distributed.mesh import ParallelDegrees
-from paratrain.distributed.spawn import spawn
 from paratrain.parallel import Parallel, Pipeline, Sharding, TensorParallel
 from paratrain.parallel.presets import choose, layout_name, preset, resolve_strategy
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 PRESETS = ["ddp", "zero1", "fsdp", "zero2", "tp", "fsdp_tp", "pipeline", "hybrid"]

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from paratrain.distributed.spawn import spawn
 from paratrain.reliability import hang
 from paratrain.reliability.collectives import CollectiveRecorder, Entry, describe
 from paratrain.settings import Settings
+from paratrain.testing.pool import spawn
 
 WARN_ENV = {"PARATRAIN_COLLECTIVE_WARN_S": "1"}
 

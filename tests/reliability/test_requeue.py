@@ -125,7 +125,7 @@ def _agreement_worker(rank: int, world_size: int) -> str:
 
 
 def test_the_ranks_agree_on_which_signal_stopped_them():
-    from paratrain.distributed.spawn import spawn
+    from paratrain.testing.pool import spawn
 
     # Only rank 1 got USR1; rank 0 must stop the same way (requeue, not SIGTERM's 143).
     assert spawn(_agreement_worker, 2) == ["[False, True] SIGUSR1"] * 2

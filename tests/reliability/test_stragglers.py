@@ -12,7 +12,6 @@ from torch.utils.data import Dataset
 
 from paratrain.config import RunConfig
 from paratrain.data.loader import DistributedLoader, ShardedSampler
-from paratrain.distributed.spawn import spawn
 from paratrain.reliability.stragglers import (
     Accusation,
     StragglerDetector,
@@ -22,6 +21,7 @@ from paratrain.reliability.stragglers import (
     median_of_others,
 )
 from paratrain.run.reporting import format_rates
+from paratrain.testing.pool import spawn
 
 MS = 1e-3
 

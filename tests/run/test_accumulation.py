@@ -8,8 +8,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.testing.numerics import TrainingBound, assert_params_within
+from paratrain.testing.pool import spawn
 
 
 def dataset(n=32, masked=False):

@@ -7,8 +7,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.testing.numerics import REASSOCIATION, TrainingBound, assert_params_within
+from paratrain.testing.pool import spawn
 
 MAX_NORM = 0.05  # well below the gradient norm, so every step clips
 

@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import WorkerFailed, spawn
+from paratrain.distributed.spawn import WorkerFailed
 from paratrain.reliability.health import HealthError
 from paratrain.run import collective_calls
 from paratrain.run.collective_calls import CollectiveCalls
+from paratrain.testing.pool import spawn
 
 ADVICE = ("run.prepare(), run.evaluate(), run.mean(), run.sum(), run.gather() and run.save() "
           "are collective: call them on every rank (only printing belongs under "

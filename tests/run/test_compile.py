@@ -15,8 +15,8 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.compile import CompileOptions, partial_batch_notice, resolve
-from paratrain.distributed.spawn import spawn
 from paratrain.testing.numerics import REASSOCIATION
+from paratrain.testing.pool import spawn
 
 # Relative: compiled kernels reorder float32 reductions, which changes a sum by at most
 # REASSOCIATION (see paratrain.testing.numerics) whatever the CPU's vector width.

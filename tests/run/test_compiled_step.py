@@ -21,11 +21,11 @@ import paratrain
 from paratrain.compile import CompileOptions, resolve
 from paratrain.compiled_step import NOTICE, strategy_blocker
 from paratrain.distributed import _compat
-from paratrain.distributed.spawn import spawn
 from paratrain.parallel.options import TensorParallel
 from paratrain.strategies.layout.strategy import LayoutStrategy
 from paratrain.strategies.single import SingleDevice
 from paratrain.testing.numerics import TrainingBound, assert_losses_within, assert_params_within
+from paratrain.testing.pool import spawn
 
 STEPS = 6
 

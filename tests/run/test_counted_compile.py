@@ -17,9 +17,9 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain.compile import CompileOptions, compile_model, repeated_blocks
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.pipeline.layout import PipelineLayout
 from paratrain.testing.numerics import REASSOCIATION
+from paratrain.testing.pool import spawn
 
 VOCAB, WIDTH, LAYERS, LENGTH, BATCH, SAMPLES = 48, 32, 4, 16, 4, 32
 

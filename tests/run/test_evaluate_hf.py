@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.distributed.spawn import spawn
+from paratrain.testing.pool import spawn
 
 transformers = pytest.importorskip("transformers")
 

@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.reliability.health import HealthError, describe_model_difference, model_fingerprint
+from paratrain.testing.pool import spawn
 
 
 def dataset(n=16):

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.run.finite import MAX_SKIPS_IN_A_ROW, NonFiniteError
+from paratrain.testing.pool import spawn
 
 
 def dataset(n=64, bad=(20,)):

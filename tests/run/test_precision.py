@@ -7,9 +7,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.precision import Precision
 from paratrain.testing.numerics import REASSOCIATION, assert_gradients_within
+from paratrain.testing.pool import spawn
 
 
 def dataset(n=32):

@@ -11,10 +11,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from paratrain.activation_checkpointing import apply_activation_checkpointing
-from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
 from paratrain.run.router_metrics import RouterLoad
 from paratrain.strategies.experts.moe import MoE
+from paratrain.testing.pool import spawn
 
 EXPERTS, TOP_K, LENGTH, VOCAB = 4, 2, 8, 64
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")

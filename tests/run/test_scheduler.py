@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
+from paratrain.testing.pool import spawn
 
 
 def train(strategy):

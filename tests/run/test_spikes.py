@@ -9,9 +9,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.run.finite import MAX_SKIPS_IN_A_ROW, NonFiniteError
 from paratrain.run.spikes import LossSpikeError, Spike
+from paratrain.testing.pool import spawn
 
 BATCH = 8
 

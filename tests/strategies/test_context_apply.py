@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 
 from paratrain.activation_checkpointing import apply_activation_checkpointing
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.context import ContextParallel, slice_batch
 from paratrain.strategies.context.sequence import SequenceOrder
 from paratrain.testing.numerics import REASSOCIATION, assert_gradients_within
+from paratrain.testing.pool import spawn
 
 LENGTH, VOCAB = 16, 64
 Pair = namedtuple("Pair", "tokens extra targets")

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.context.attention import METHODS
 from paratrain.strategies.context.sequence import SequenceOrder
 from paratrain.testing.numerics import assert_gradients_within
+from paratrain.testing.pool import spawn
 
 # name -> (method, causal, load_balanced, kv_heads)
 CASES = {

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.context.routing import ContextParallelAttention
 from paratrain.strategies.context.sequence import SequenceOrder
 from paratrain.testing.numerics import REASSOCIATION, assert_gradients_within
+from paratrain.testing.pool import spawn
 
 LENGTH, VOCAB = 16, 64
 

@@ -28,10 +28,10 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies import available_strategies
 from paratrain.strategies.capabilities import ShardedState, local_module
 from paratrain.testing.numerics import TrainingBound, assert_params_within
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 GLOBAL_BATCH = 8

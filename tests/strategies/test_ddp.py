@@ -6,7 +6,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.testing.numerics import (
     REASSOCIATION,
     TrainingBound,
@@ -14,6 +13,7 @@ from paratrain.testing.numerics import (
     assert_losses_within,
     assert_params_within,
 )
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 NUM_SAMPLES = 96

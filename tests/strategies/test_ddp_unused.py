@@ -9,8 +9,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.ddp import reducer_parameter_names, unused_parameters_line
+from paratrain.testing.pool import spawn
 
 
 class WithUnusedHead(nn.Module):

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
 from paratrain.strategies.experts.apply import (
     apply_expert_parallel,
@@ -19,6 +18,7 @@ from paratrain.strategies.experts.apply import (
 )
 from paratrain.strategies.experts.moe import MoE, balance_loss, router_statistics
 from paratrain.testing.numerics import REASSOCIATION, assert_gradients_within
+from paratrain.testing.pool import spawn
 
 EXPERTS, LENGTH, VOCAB, ALPHA = 4, 8, 64, 0.01
 

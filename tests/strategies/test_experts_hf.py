@@ -9,13 +9,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.experts.stacked import (
     DispatchedExperts,
     dispatch_stacked_experts,
     is_stacked_experts,
 )
 from paratrain.testing.numerics import REASSOCIATION, assert_gradients_within
+from paratrain.testing.pool import spawn
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 LENGTH, VOCAB, EXPERTS = 8, 64, 4

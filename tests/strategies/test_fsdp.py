@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.parallel.options import Sharding as FSDPOptions
 from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.fsdp import wrap_predicate
@@ -15,6 +14,7 @@ from paratrain.testing.numerics import (
     assert_losses_within,
     assert_params_within,
 )
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 NUM_SAMPLES = 96

@@ -8,11 +8,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
 from paratrain.parallel.presets import HybridOptions, preset
 from paratrain.strategies.capabilities import ShardedState
 from paratrain.testing.numerics import TrainingBound, assert_losses_within, assert_params_within
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import train_steps
 
 

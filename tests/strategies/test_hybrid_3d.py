@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
 from paratrain.models import GPT
 from paratrain.parallel.presets import HybridOptions, preset
@@ -27,6 +26,7 @@ from paratrain.testing.numerics import (
     assert_losses_within,
     assert_params_within,
 )
+from paratrain.testing.pool import spawn
 
 VOCAB, BLOCK, STEPS, GLOBAL_BATCH = 16, 8, 3, 8
 

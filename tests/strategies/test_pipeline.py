@@ -7,7 +7,6 @@ from torch import nn
 
 import paratrain
 from paratrain.distributed.partition import balanced_split
-from paratrain.distributed.spawn import spawn
 from paratrain.parallel.options import Pipeline as PipelineOptions
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.pipeline.deferred import Deferred, Node
@@ -20,6 +19,7 @@ from paratrain.testing.numerics import (
     assert_losses_within,
     assert_params_within,
 )
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 

@@ -24,12 +24,12 @@ import model_layouts  # noqa: E402
 
 import paratrain  # noqa: E402
 from paratrain.adapters.hf_pipeline import layer_kinds, plan_layout  # noqa: E402
-from paratrain.distributed.spawn import spawn  # noqa: E402
 from paratrain.strategies.pipeline.adapted import adapted_layout  # noqa: E402
 from paratrain.strategies.pipeline.deferred import deferred_output  # noqa: E402
 from paratrain.strategies.pipeline.layout import split_model  # noqa: E402
 from paratrain.strategies.pipeline.module import check_chain  # noqa: E402
 from paratrain.testing.numerics import REASSOCIATION, TrainingBound  # noqa: E402
+from paratrain.testing.pool import spawn  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 64, 12, 4, 2
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,

@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
 from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.pipeline.layout import (
@@ -19,6 +18,7 @@ from paratrain.strategies.pipeline.layout import (
 )
 from paratrain.testing.language import evaluate_tokens, token_dataset, train_steps
 from paratrain.testing.numerics import TrainingBound, assert_losses_within, assert_params_within
+from paratrain.testing.pool import spawn
 
 VOCAB, BLOCK = 11, 8
 

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.pipeline.ties import TiedCopies
 from paratrain.testing.numerics import (
     REASSOCIATION,
@@ -16,6 +15,7 @@ from paratrain.testing.numerics import (
     assert_losses_within,
     assert_params_within,
 )
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 

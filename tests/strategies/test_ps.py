@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.distributed.topology import Topology
 from paratrain.strategies.ps import protocol as proto
 from paratrain.strategies.ps.server import average_round, staleness_weight
 from paratrain.strategies.ps.strategy import PSOptions, PSStrategy, resolve_num_servers
 from paratrain.strategies.ps.worker import assemble_state, split_state
 from paratrain.testing.numerics import TrainingBound, assert_params_within
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification, train_steps
 
 REPO = Path(__file__).resolve().parents[2]

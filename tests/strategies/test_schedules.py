@@ -11,7 +11,6 @@ from torch import nn
 import paratrain
 from paratrain.distributed._compat import schedule_actions
 from paratrain.distributed.mesh import ParallelDegrees
-from paratrain.distributed.spawn import spawn
 from paratrain.models import GPT
 from paratrain.parallel.options import SCHEDULES, Pipeline
 from paratrain.strategies.capabilities import local_module
@@ -25,6 +24,7 @@ from paratrain.strategies.pipeline.schedules import (
     stage_rank,
 )
 from paratrain.strategies.pipeline.stages import check_stage_options
+from paratrain.testing.pool import spawn
 
 MULTI = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
 

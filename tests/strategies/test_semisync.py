@@ -21,11 +21,11 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 from paratrain import DiLoCo, LocalSGD, Parallel
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.semisync import due, unit_names
 from paratrain.strategies.semisync.fragments import split_units
 from paratrain.strategies.semisync.outer import local_piece
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 # -- units, fragments and the schedule (no processes) ------------------------------------

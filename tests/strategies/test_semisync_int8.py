@@ -24,11 +24,11 @@ from torch import nn
 
 import paratrain
 from paratrain import DiLoCo, Parallel
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.semisync import outer as outer_module
 from paratrain.strategies.semisync.outer import local_piece
 from paratrain.strategies.semisync.quantize import mean_of, pack, quantize, unpack
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 SLACK = 0.5 + 2.0 ** -16

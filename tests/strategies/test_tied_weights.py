@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.strategies.dtensor_params import shared_outside
+from paratrain.testing.pool import spawn
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.parallel.options import TensorParallel as TPOptions
 from paratrain.parallel.presets import preset
 from paratrain.strategies.capabilities import ShardedState
@@ -24,6 +23,7 @@ from paratrain.testing.numerics import (
     assert_losses_within,
     assert_params_within,
 )
+from paratrain.testing.pool import spawn
 
 VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
 STEPS = 3

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
-from paratrain.distributed.spawn import spawn
 from paratrain.parallel.options import Sharding as FSDPOptions
 from paratrain.parallel.presets import ZeroTwoOptions as Zero2Options
 from paratrain.parallel.presets import preset
 from paratrain.strategies.capabilities import ShardedState
 from paratrain.strategies.zero.zero1 import shard_optimizer
 from paratrain.testing.numerics import TrainingBound, assert_params_within
+from paratrain.testing.pool import spawn
 from paratrain.testing.reference import synthetic_classification
 
 STEPS, ACCUMULATE, GLOBAL_BATCH = 3, 2, 8

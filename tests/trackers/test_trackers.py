@@ -101,7 +101,7 @@ def test_a_failing_tracker_warns_once_and_training_goes_on(tmp_path, capfd):
 
 @pytest.mark.slow
 def test_other_ranks_never_start_a_tracker(tmp_path):
-    from paratrain.distributed.spawn import spawn
+    from paratrain.testing.pool import spawn
 
     started = spawn(_start_count, 2, str(tmp_path))
     assert started == [1, 0]

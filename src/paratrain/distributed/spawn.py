@@ -50,7 +50,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, env: dict[str, st
         destroy_process_group()  # collects DDP reducers first (see its docstring)
 
 @contextmanager
-def _started_with(changes: dict[str, str]) -> Iterator[None]:
+def environment_at_start(changes: dict[str, str]) -> Iterator[None]:
     """Set ``changes`` in os.environ while children start, then restore it.
 
     A spawned child inherits the environment it starts with. CUDA reads
@@ -69,6 +69,28 @@ def _started_with(changes: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+def launch_environment(world_size: int, accelerator: str = "cpu") -> dict[str, str]:
+    """The variables torchrun would give ``world_size`` local ranks (``RANK`` aside),
+    a free ``MASTER_PORT`` and one thread per rank; ``accelerator`` as in ``spawn``."""
+    if accelerator not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"accelerator must be 'auto', 'cpu' or 'cuda', got {accelerator!r}")
+    visibility = {}
+    if accelerator != "auto":
+        visibility["PARATRAIN_ACCELERATOR"] = accelerator
+    if accelerator == "cpu":
+        visibility["CUDA_VISIBLE_DEVICES"] = ""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "OMP_NUM_THREADS": "1",
+        **visibility,
+    }
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
           env: dict[str, str] | None = None, accelerator: str = "cpu") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
@@ -82,33 +104,18 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         >>> spawn(worker, 2)                                            # doctest: +SKIP
         >>> spawn(worker, 1, accelerator="cuda")                        # doctest: +SKIP
     """
-    if accelerator not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"accelerator must be 'auto', 'cpu' or 'cuda', got {accelerator!r}")
-    visibility = {}
-    if accelerator != "auto":
-        visibility["PARATRAIN_ACCELERATOR"] = accelerator
-    if accelerator == "cpu":
-        visibility["CUDA_VISIBLE_DEVICES"] = ""
+    base_env = {**launch_environment(world_size, accelerator), **(env or {})}
+    visibility = [name for name in ("PARATRAIN_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
+                  if name in base_env]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    base_env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1",
-        "OMP_NUM_THREADS": "1",
-        **visibility,
-        **(env or {}),
-    }
     procs = [
         ctx.Process(target=_entry, args=(fn, rank, world_size, base_env, results, args))
         for rank in range(world_size)
     ]
-    # Visibility is fixed at start (see _started_with), also a caller's CUDA_VISIBLE_DEVICES.
+    # Visibility is fixed at start (see environment_at_start), also a caller's CUDA_VISIBLE_DEVICES.
     at_start = (*visibility, "CUDA_VISIBLE_DEVICES")
-    with _started_with({name: base_env[name] for name in at_start if name in base_env}):
+    with environment_at_start({name: base_env[name] for name in at_start if name in base_env}):
         for proc in procs:
             proc.start()
     collected: dict[int, Any] = {}
