@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import paratrain
 from paratrain.checkpoint import huggingface
 from paratrain.checkpoint.meta_init import empty_weights
+from paratrain.distributed import spawn as fresh
 from paratrain.models import GPT
 from paratrain.strategies.capabilities import local_module
 from paratrain.strategies.dtensor_params import whole_model_state
@@ -310,7 +311,8 @@ def alone_on_rank_0(rank: int, world_size: int, directory: str) -> str:
 
 @pytest.mark.slow
 def test_save_pretrained_on_rank_0_only_is_named(tmp_path):
-    results = spawn(alone_on_rank_0, 2, str(tmp_path), timeout=180)
+    # Fresh processes: rank 1's process ending is what breaks rank 0's gather.
+    results = fresh.spawn(alone_on_rank_0, 2, str(tmp_path), timeout=180)
     assert results[1] == "closed"
     assert results[0].startswith("rank 0 called run.save_pretrained() but rank 1 did not "
                                  "(it called run.close()); ")

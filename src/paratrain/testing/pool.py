@@ -13,7 +13,7 @@ Each call is isolated from the last:
 - before the call the worker's random streams are those of a fresh process; after
   it the worker's process group is destroyed and its environment, hooks, signal
   handlers, logging, warnings and torch settings are put back
-  (``pool_worker.Baseline``);
+  (``worker_loop.Baseline``);
 - a call that fails, hangs, kills a worker or leaves something that cannot be put
   back (a running thread, an open group) retires the pool: the next call starts a
   new one, so it is unaffected;
@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 
 from paratrain.distributed import spawn as fresh
 from paratrain.distributed.spawn import WorkerFailed
-from paratrain.testing import pool_worker
+from paratrain.testing import worker_loop
 
 START_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS",
                    "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE",
@@ -75,7 +75,7 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=pool_worker.serve, daemon=True,
+        self._procs = [ctx.Process(target=worker_loop.serve, daemon=True,
                                    args=(rank, world_size, self._inboxes[rank],
                                          self._results, isolate, os.getpid()))
                        for rank in range(world_size)]
@@ -99,7 +99,7 @@ class RankPool:
                   os.path.join(self._outdir, f"{task_id}-{r}.err"))
                  for r in range(self.world_size)]
         for rank, inbox in enumerate(self._inboxes):
-            inbox.put(pool_worker.Task(
+            inbox.put(worker_loop.Task(
                 task_id=task_id, payload=buffer.getvalue(),
                 environ={**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 cwd=os.getcwd(), sys_path=list(sys.path), stdout=files[rank][0],

@@ -11,6 +11,7 @@ live in this package's two submodules and are re-exported here.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "flattened_group", "make_tensor_subclass", "shard_indices", "nvml_device_index", "rebind_lr_scheduler", "release_ddp_reducer",
     "allow_recompiles", "compile_backend", "compiled_by_user", "detect_fake_mode", "global_flop_counter", "is_fake", "torch_function_disabled", "transposed_linear_style",
     "tree_leaves", "tree_map", "keep_forwards_only", "schedule_actions", "hash_tensor",
+    "clear_dtensor_caches", "torch_modes_active",
 ]
 
 
@@ -252,3 +254,25 @@ def transposed_linear_style(style: str, **options: Any) -> Any:
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
     return TransposedLinearStyle(**options)
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation and redistribution caches (the C++ one
+    included): they key on meshes, and a mesh of a destroyed process group must not be
+    found again by the next group's (the test pool reuses one process for many groups)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):
+        torch._C._clear_DTensor_sharding_propagator_cache()
+
+
+def torch_modes_active() -> bool:
+    """Whether a torch function mode (or CPU autocast) is on: what a finished task
+    must not leave behind."""
+    return bool(torch._C._len_torch_function_stack()) or torch.is_autocast_enabled("cpu")

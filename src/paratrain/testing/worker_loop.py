@@ -31,10 +31,13 @@ from typing import Any
 
 import torch
 
+from paratrain.distributed import _compat
+
 # A worker whose resident memory grows past this is replaced: tests that build
 # models leave caches (allocator arenas, imported model families) behind.
 MAX_RSS_BYTES = 3 * 2**30
 THREAD_GRACE_S = 2.0
+_IDLE_IGNORED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class Baseline:
         self.environ = dict(os.environ)
         self.cwd = os.getcwd()
         self.sys_path = list(sys.path)
+        self.argv = list(sys.argv)
         self.signals = {s: signal.getsignal(s) for s in signal.valid_signals()
                         if s not in (signal.SIGKILL, signal.SIGSTOP)}
         self.hooks = (sys.excepthook, threading.excepthook, sys.displayhook)
@@ -133,8 +137,18 @@ class Baseline:
         self.warning_filters = list(warnings.filters)
         self.threads = {t.ident for t in threading.enumerate()}
 
-    def start_task(self) -> None:
-        """Random streams as a fresh process starts them: seeded from the OS."""
+    def idle(self) -> None:
+        """Between tasks: a signal meant for the parent's other children (a test of
+        signal forwarding sends one to every child) must not end the worker."""
+        for sig in _IDLE_IGNORED:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def start_task(self, *, reseed: bool) -> None:
+        """Signal handlers, and random streams seeded from the OS, as in a fresh process."""
+        for sig in _IDLE_IGNORED:
+            signal.signal(sig, self.signals[sig])
+        if not reseed:
+            return
         torch.seed()
         random.seed()
         if "numpy" in sys.modules:
@@ -147,6 +161,7 @@ class Baseline:
         os.environ.update(self.environ)
         os.chdir(self.cwd)
         sys.path[:] = self.sys_path
+        sys.argv[:] = self.argv
         for sig, handler in self.signals.items():
             if signal.getsignal(sig) is not handler and handler is not None:
                 signal.signal(sig, handler)
@@ -158,6 +173,7 @@ class Baseline:
         warnings.filters.pop(0)  # so "once" warnings of the last task show again
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
+        _clear_caches()
         gc.collect()  # what the task left in cycles goes now, not in the next task
         problems += self._leftovers()
         return problems
@@ -187,12 +203,32 @@ class Baseline:
             time.sleep(0.05)
         if extra:
             problems.append("threads left running: " + ", ".join(t.name for t in extra))
-        if torch._C._len_torch_function_stack() or torch.is_autocast_enabled("cpu"):
+        if _compat.torch_modes_active():
             problems.append("a torch function mode or autocast left on")
         rss = _rss_bytes()
         if rss > MAX_RSS_BYTES:
             problems.append(f"resident memory {rss / 2**30:.1f} GiB")
         return problems
+
+
+def _clear_caches() -> None:
+    """Empty torch.distributed's and paratrain's memoised functions: DTensor's sharding
+    and redistribution caches hold meshes whose process groups the task destroyed."""
+    with warnings.catch_warnings():  # getattr on deprecated names warns
+        warnings.simplefilter("ignore")
+        _clear_memoised()
+    _compat.clear_dtensor_caches()
+
+
+def _clear_memoised() -> None:
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("torch.distributed", "paratrain")):
+            continue
+        for value in list(vars(module).values()):
+            members = vars(value).values() if isinstance(value, type) else (value,)
+            for member in list(members):
+                if callable(getattr(member, "cache_clear", None)):
+                    member.cache_clear()
 
 
 def _rss_bytes() -> int:
@@ -224,7 +260,7 @@ def _run_task(task: Task, rank: int, world_size: int, isolate: bool,
               baseline: Baseline) -> tuple[bool, Any]:
     if isolate:
         os.environ.clear()
-        baseline.start_task()
+    baseline.start_task(reseed=isolate)
     os.environ.update(task.environ)
     os.chdir(task.cwd)
     sys.path[:] = task.sys_path
@@ -253,6 +289,7 @@ def serve(rank: int, world_size: int, tasks: Any, results: Any, isolate: bool,
 
     results.put(("ready", rank, os.getpid()))  # starts the queue's feeder thread,
     baseline = Baseline()  # which the baseline counts as the worker's own
+    baseline.idle()
     while True:
         try:
             task = tasks.get(timeout=1.0)
@@ -265,4 +302,5 @@ def serve(rank: int, world_size: int, tasks: Any, results: Any, isolate: bool,
         with _redirected(task.stdout, task.stderr):
             ok, value = _run_task(task, rank, world_size, isolate, baseline)
             problems = baseline.restore() if isolate else []
+        baseline.idle()
         results.put((task.task_id, rank, ok, value, problems))
