@@ -185,3 +185,14 @@ def test_pool_overhead_against_spawning():
     print(f"two-rank call: spawn {spawned:.2f} s, pool {pooled:.3f} s, "
           f"{spawned / pooled:.1f}x")
     assert spawned / pooled > 3
+
+
+def test_a_script_runs_unchanged_on_pool_ranks(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\nimport torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "print('rank', dist.get_rank(), 'of', dist.get_world_size(), sys.argv[1:])\n"
+                      "sys.exit(3 if dist.get_rank() == 1 else 0)\n")
+    first, second = pool.run_script(str(script), "--flag", "x")
+    assert (first.returncode, first.stdout) == (0, "rank 0 of 2 ['--flag', 'x']\n")
+    assert (second.returncode, second.stdout) == (3, "rank 1 of 2 ['--flag', 'x']\n")

@@ -30,16 +30,20 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import os
 import queue
+import runpy
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -225,6 +229,54 @@ def close_pools() -> None:
     """Stop every pool (the test session's end; also registered at exit)."""
     while _POOLS:
         _POOLS.popitem()[1].close()
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """One rank's end of :func:`run_script`: as ``subprocess.run`` would report it."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _script_rank(rank: int, world_size: int, target: str, argv: list[str],
+                 module: bool) -> ScriptRun:
+    """Run a script (or ``-m`` module) as ``__main__`` in this rank, as its worker would."""
+    out, err = io.StringIO(), io.StringIO()
+    sys.argv[:] = [target, *argv]
+    if not module:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(target, run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if not isinstance(stop.code, (int, type(None))):
+                print(stop.code, file=sys.stderr)
+        except BaseException:  # noqa: BLE001 - reported as the interpreter would
+            traceback.print_exc()
+            code = 1
+    return ScriptRun(code, out.getvalue(), err.getvalue())
+
+
+def run_script(target: str, *argv: str, nproc: int = 2, module: bool = False,
+               env: dict[str, str] | None = None, timeout: float = 300.0) -> list[ScriptRun]:
+    """Run a training script unchanged on ``nproc`` pool ranks, with the environment
+    ``paratrain launch --nproc-per-node nproc`` gives it; each rank's exit code and output.
+
+    For tests of what a script computes; a test of the launcher itself (its flags, its
+    exit line, signals, restarts) starts ``paratrain launch``.
+
+    Example:
+        >>> run_script("examples/gpt_shakespeare.py", "--steps", "2")   # doctest: +SKIP
+    """
+    return spawn(_script_rank, nproc, str(target), list(argv), module, timeout=timeout,
+                 env=env)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
