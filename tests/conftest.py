@@ -92,6 +92,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.write_line(
         f"rank pool: {stats['tasks']} spawn calls on {stats['pools_started']} pool starts; "
-        f"{len(stats['retired'])} pools retired")
+        f"{len(stats['retired'])} pools retired; largest worker "
+        f"{stats['max_rss'] / 2**30:.1f} GiB")
     for reason in stats["retired"]:
         terminalreporter.write_line(f"  retired after {reason}")

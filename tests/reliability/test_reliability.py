@@ -1,15 +1,22 @@
 """Bad input and lost peers: one line, non-zero exit, bounded time, no orphan processes.
 
-Every case of docs/reliability.md runs here as a real process (the launcher or a training
-script), tagged through its environment so that any process it leaves behind is found.
+Every failure story of docs/reliability.md runs here as a real process (the launcher or a
+training script), tagged through its environment so that any process it leaves behind is
+found. Refusals that differ only in their message (bad flags, bad settings, bad
+checkpoints) are checked in-process through the function that prints them
+(``launcher.main``, the training script under the excepthook ``Run`` installs), and one
+of each kind end to end, through a real process.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import os
 import pickle
+import runpy
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +30,8 @@ import pytest
 import torch
 
 from paratrain.distributed.device import free_port
+from paratrain.launch import launcher
+from paratrain.reliability import signals
 from paratrain.reliability.health import first_divergent
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -110,8 +119,10 @@ def run(argv: list[str], env: dict[str, str] | None = None) -> Outcome:
 def assert_one_line_failure(out: Outcome, expected: str, limit: float = LIMIT_S,
                             levels: int = 1) -> None:
     """Non-zero exit, no orphans, no traceback, the last line names ``expected``, and it
-    took less than ``limit`` s beyond ``levels`` process start-ups (launcher, workers)."""
-    limit += levels * startup_s()
+    took less than ``limit`` s beyond ``levels`` process start-ups (launcher, workers;
+    0 for a check in this process)."""
+    if levels:
+        limit += levels * startup_s()
     report = (f"rc={out.returncode} {out.elapsed:.1f}s (limit {limit:.1f}s) "
               f"stderr:\n{out.stderr[-3000:]}")
     assert out.returncode != 0, report
@@ -131,37 +142,68 @@ def script(*argv: str) -> list[str]:
 
 # -- the launcher refuses before anything starts --------------------------------------
 
+@pytest.fixture
+def in_process(capsys, monkeypatch):
+    """``paratrain launch ARGV`` as ``launcher.main`` in this process: its exit code and
+    what it printed to stderr (the process-level checks are the end-to-end test's)."""
+    monkeypatch.setattr(signals, "_forwarded", [])
+    usr1 = signal.getsignal(signal.SIGUSR1)  # main() forwards it once past validate()
+
+    def launch_here(*argv: str, env: dict[str, str] | None = None) -> Outcome:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        started = time.monotonic()
+        try:
+            code = launcher.main(list(argv))
+        finally:
+            signal.signal(signal.SIGUSR1, usr1)
+        return Outcome(code, capsys.readouterr().err, time.monotonic() - started, [])
+
+    return launch_here
+
+
+def test_launcher_refusal_reaches_the_user_in_one_line():
+    # End to end, through `python -m paratrain.cli launch`: the refusals below reach the
+    # user this way (exit code, one line, no traceback, no process left behind).
+    out = run(launch("--nproc-per-node", "0", TRAIN))
+    assert_one_line_failure(out, "--nproc-per-node must be an integer >= 1")
+    assert out.lines == [out.lines[-1]] and out.lines[-1].startswith("paratrain launch: ")
+
+
 @pytest.mark.parametrize("argv, expected", [
-    (launch("--nproc-per-node", "0", TRAIN), "--nproc-per-node must be an integer >= 1"),
-    (launch("--nnodes", "2", "--node-rank", "2", TRAIN), "--node-rank 2 is out of range"),
-    (launch("no_such_script.py"), "script 'no_such_script.py' not found"),
-    (launch("--nnodes", "0", TRAIN), "--nnodes must be N >= 1"),
-    (launch("--nnodes", "1:2", TRAIN), "--nnodes MIN:MAX needs --rdzv-backend c10d"),
-    (launch("--max-restarts", "-1", TRAIN), "--max-restarts must be >= 0"),
+    (["--nproc-per-node", "0", TRAIN], "--nproc-per-node must be an integer >= 1"),
+    (["--nnodes", "2", "--node-rank", "2", TRAIN], "--node-rank 2 is out of range"),
+    (["no_such_script.py"], "script 'no_such_script.py' not found"),
+    (["--nnodes", "0", TRAIN], "--nnodes must be N >= 1"),
+    (["--nnodes", "1:2", TRAIN], "--nnodes MIN:MAX needs --rdzv-backend c10d"),
+    (["--max-restarts", "-1", TRAIN], "--max-restarts must be >= 0"),
 ], ids=["nproc-0", "node-rank", "script-missing", "nnodes-0", "nnodes-range-static",
         "max-restarts"])
-def test_launcher_refuses(argv, expected):
-    assert_one_line_failure(run(argv), expected)
+def test_launcher_refuses(in_process, argv, expected):
+    out = in_process(*argv)
+    assert_one_line_failure(out, expected, levels=0)
+    assert out.lines == [out.lines[-1]] and out.lines[-1].startswith("paratrain launch: ")
 
 
-def test_port_in_use():
+def test_port_in_use(in_process):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        out = run(launch("--master-port", str(port), TRAIN))
-    assert_one_line_failure(out, f"port {port} on 127.0.0.1 is in use")
+        out = in_process("--master-port", str(port), TRAIN)
+    assert_one_line_failure(out, f"port {port} on 127.0.0.1 is in use", levels=0)
 
 
 WAIT_REPORT = {"PARATRAIN_WAIT_REPORT_S": "1"}
 
 
-def test_unreachable_master():
+def test_unreachable_master(in_process):
     # Loopback only: a port nobody listens on stands for a master that is not there.
-    out = run(launch("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                     "--master-port", str(free_port()), "--join-timeout", "3", TRAIN),
-              WAIT_REPORT)
-    assert_one_line_failure(out, "master 127.0.0.1:")
+    out = in_process("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                     "--master-port", str(free_port()), "--join-timeout", "3", TRAIN,
+                     env=WAIT_REPORT)
+    assert_one_line_failure(out, "master 127.0.0.1:", levels=0)
     assert "unreachable after 3 s" in out.lines[-1]
     notices = out.lines[:-1]
     assert len(notices) >= 2, out.stderr  # one at the start, then one a second
@@ -169,10 +211,11 @@ def test_unreachable_master():
                and "--join-timeout sets the wait" in n for n in notices), out.stderr
 
 
-def test_peers_that_never_join_node_0():
-    out = run(launch("--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port()),
-                     "--join-timeout", "3", TRAIN), WAIT_REPORT)
-    assert_one_line_failure(out, "node(s) 1 of --nnodes 2 did not check in within 3 s")  # pre-flight
+def test_peers_that_never_join_node_0(in_process):
+    out = in_process("--nnodes", "2", "--node-rank", "0", "--master-port", str(free_port()),
+                     "--join-timeout", "3", TRAIN, env=WAIT_REPORT)
+    assert_one_line_failure(out, "node(s) 1 of --nnodes 2 did not check in within 3 s",
+                            levels=0)  # pre-flight
     assert "--join-timeout sets the wait" in out.lines[-1]
     notices = out.lines[:-1]
     assert notices and all(n.startswith("paratrain launch: node 0 is waiting for the other 1 "
@@ -210,26 +253,53 @@ def test_peer_lost_during_prepare():
 
 # -- the training script refuses (single process, no launcher) -------------------------
 
-@pytest.mark.slow
+def script_here(*argv: str) -> Outcome:
+    """The training script run in this process, to the error it ends with, which is then
+    reported by the hook ``Run`` installs as ``sys.excepthook`` (as at a process's end).
+
+    Under ``pytest.MonkeyPatch`` (``sys.argv`` and the hook's record are put back).
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [TRAIN, *argv])
+        patch.setattr(sys, "excepthook", sys.excepthook)
+        patch.setattr(signals, "_reported", [])
+        started = time.monotonic()
+        error = None
+        try:
+            runpy.run_path(TRAIN, run_name="__main__")
+        except Exception as exc:  # the uncaught error of the script
+            error = exc
+        elapsed = time.monotonic() - started
+        if error is None:
+            return Outcome(0, "", elapsed, [])
+        hook = signals.OneLineErrors(sys.__excepthook__, show_traceback=False, launched=False)
+        err = io.StringIO()
+        patch.setattr(sys, "stderr", err)
+        hook(type(error), error, error.__traceback__)
+    return Outcome(1, err.getvalue(), elapsed, [])
+
+
 @pytest.mark.parametrize("argv, env, expected", [
-    (script("--strategy", "nope"), {}, "unknown strategy 'nope'"),
-    (script("--batch-size", "0"), {}, "batch_size must be >= 1"),
-    (script(), {"PARATRAIN_TIMEOUT_S": "soon"}, "PARATRAIN_TIMEOUT_S='soon' must be a number"),
-    (script(), {"PARATRAIN_KILL_AT_STEP": "x"}, "PARATRAIN_KILL_AT_STEP='x' must be an integer"),
-    (script(), {"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR is not set for a 2-process job"),
+    (["--strategy", "nope"], {}, "unknown strategy 'nope'"),
+    (["--batch-size", "0"], {}, "batch_size must be >= 1"),
+    ([], {"PARATRAIN_TIMEOUT_S": "soon"}, "PARATRAIN_TIMEOUT_S='soon' must be a number"),
+    ([], {"PARATRAIN_KILL_AT_STEP": "x"}, "PARATRAIN_KILL_AT_STEP='x' must be an integer"),
+    ([], {"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR is not set for a 2-process job"),
 ], ids=["unknown-strategy", "batch-size-0", "timeout-env", "fault-env", "no-launcher"])
-def test_script_refuses(argv, env, expected):
-    out = run(argv, env)
-    assert_one_line_failure(out, expected)
+def test_script_refuses(monkeypatch, argv, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = script_here(*argv)
+    assert_one_line_failure(out, expected, levels=0)
     assert len(out.lines) == 1 and out.lines[0].startswith("paratrain: "), out.stderr
 
 
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory) -> Path:
-    """A real checkpoint of the 32-unit model (one short single-process run)."""
+    """A real checkpoint of the 32-unit model (one short single-process run, here)."""
     directory = tmp_path_factory.mktemp("good")
-    out = run(script("--epochs", "1", "--num-samples", "16", "--checkpoint-dir", str(directory),
-                     "--checkpoint-every", "2"))
+    out = script_here("--epochs", "1", "--num-samples", "16", "--checkpoint-dir",
+                      str(directory), "--checkpoint-every", "2")
     assert out.returncode == 0, out.stderr
     return directory / "step-000000002.pt"
 
@@ -239,16 +309,11 @@ class Exploit:
         return (os.system, ("touch /tmp/paratrain-reliability-pwned",))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("damage, expected", [
-    ("other-model", "does not match the model"),
-    ("truncated", "is corrupt or truncated"),
-    ("malicious", "was refused"),
-])
-def test_bad_checkpoint(tmp_path, good_checkpoint, damage, expected):
+def damaged(tmp_path: Path, good_checkpoint: Path, damage: str) -> tuple[Path, list[str]]:
+    """A copy of the good checkpoint, damaged; the script's arguments that resume from it."""
     target = tmp_path / good_checkpoint.name
     shutil.copy(good_checkpoint, target)
-    argv = script("--checkpoint-dir", str(tmp_path), "--num-samples", "16")
+    argv = ["--checkpoint-dir", str(tmp_path), "--num-samples", "16"]
     if damage == "other-model":
         argv += ["--hidden", "16"]
     elif damage == "truncated":
@@ -256,9 +321,31 @@ def test_bad_checkpoint(tmp_path, good_checkpoint, damage, expected):
     else:
         with open(target, "wb") as f:
             pickle.dump({"format": "paratrain", "payload": Exploit()}, f)
-    out = run(argv)
-    assert_one_line_failure(out, expected)
+    return target, argv
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("other-model", "does not match the model"),
+    ("truncated", "is corrupt or truncated"),
+    ("malicious", "was refused"),
+])
+def test_bad_checkpoint(tmp_path, good_checkpoint, damage, expected):
+    target, argv = damaged(tmp_path, good_checkpoint, damage)
+    out = script_here(*argv)
+    assert_one_line_failure(out, expected, levels=0)
     assert str(target) in out.lines[-1]
+    assert not os.path.exists("/tmp/paratrain-reliability-pwned")
+
+
+@pytest.mark.slow
+def test_script_refusal_reaches_the_user_in_one_line(tmp_path, good_checkpoint):
+    # End to end, in a real process: the refusals above (settings, arguments, checkpoints)
+    # end it this way; here the malicious checkpoint, which must not run its payload.
+    target, argv = damaged(tmp_path, good_checkpoint, "malicious")
+    out = run(script(*argv))
+    assert_one_line_failure(out, "was refused")
+    assert str(target) in out.lines[-1]
+    assert len(out.lines) == 1 and out.lines[0].startswith("paratrain: "), out.stderr
     assert not os.path.exists("/tmp/paratrain-reliability-pwned")
 
 
@@ -297,8 +384,8 @@ def test_ranks_that_resumed_from_different_checkpoints_are_named(tmp_path):
     # One run leaves checkpoints at steps 2 and 4; node 1's own disk only has step 2. Caught
     # at resume, before a step (the health check named it later, "global step 3 vs 5").
     first = tmp_path / "node0"
-    out = run(script("--epochs", "1", "--num-samples", "32", "--checkpoint-dir", str(first),
-                     "--checkpoint-every", "2"))
+    out = script_here("--epochs", "1", "--num-samples", "32", "--checkpoint-dir", str(first),
+                      "--checkpoint-every", "2")
     assert out.returncode == 0, out.stderr
     second = tmp_path / "node1"
     second.mkdir()

@@ -24,21 +24,25 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pools():
-    """One isolated and one non-isolated two-rank pool, private to this module."""
-    environ = lambda: {**os.environ, **fresh.launch_environment(2)}  # noqa: E731
-    isolated = pool.RankPool(2, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
-    leaky = pool.RankPool(2, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
-                          isolate=False)
-    yield {"isolated": (isolated, environ), "leaky": (leaky, environ)}
-    isolated.close()
-    leaky.close()
+def leaky():
+    """A two-rank pool with isolation off, private to this module."""
+    runner = pool.RankPool(2, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
+                           isolate=False)
+    yield runner
+    runner.close()
 
 
-def _pair(pools, which, leak, look, *args):
-    runner, environ = pools[which]
-    runner.run(leak, args, environ(), timeout=60)
-    return runner.run(look, (), environ(), timeout=60)
+def _leaky_run(runner, fn, *args):
+    return runner.run(fn, args, {**os.environ, **fresh.launch_environment(2)}, timeout=60)
+
+
+def _pair(leak, look, runner=None):
+    """``leak`` then ``look`` on the session's pool, or on ``runner``."""
+    if runner is None:
+        pool.spawn(leak, 2)
+        return pool.spawn(look, 2)
+    _leaky_run(runner, leak)
+    return _leaky_run(runner, look)
 
 
 def _all_reduce(rank, world_size, value):
@@ -68,12 +72,12 @@ def _change_torch(rank, world_size):
     torch.set_default_dtype(torch.float64)
     torch.set_grad_enabled(False)
     torch.manual_seed(0)
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
 
 
 def _torch_state(rank, world_size):
     return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.initial_seed(),
-            signal.getsignal(signal.SIGUSR2))
+            signal.getsignal(signal.SIGALRM))
 
 
 def _start_thread(rank, world_size):
@@ -117,30 +121,30 @@ def test_a_raising_rank_reports_its_traceback():
     assert pool.spawn(_all_reduce, 2, 0)[0][0] == 1.0  # the broken group is not inherited
 
 
-def test_environment_is_reset(pools):
-    assert _pair(pools, "isolated", _set_variable, _read_variable) == [None, None]
-    assert _pair(pools, "leaky", _set_variable, _read_variable) == ["1", "1"]
+def test_environment_is_reset(leaky):
+    assert _pair(_set_variable, _read_variable) == [None, None]
+    assert _pair(_set_variable, _read_variable, leaky) == ["1", "1"]
 
 
-def test_process_group_is_destroyed(pools):
-    assert _pair(pools, "isolated", _open_group, _group_open) == [False, False]
-    assert _pair(pools, "leaky", _open_group, _group_open) == [True, True]
+def test_process_group_is_destroyed(leaky):
+    assert _pair(_open_group, _group_open) == [False, False]
+    assert _pair(_open_group, _group_open, leaky) == [True, True]
 
 
-def test_torch_settings_random_state_and_signals_are_reset(pools):
-    dtype, grad, seed, handler = _pair(pools, "isolated", _change_torch, _torch_state)[0]
+def test_torch_settings_random_state_and_signals_are_reset(leaky):
+    dtype, grad, seed, handler = _pair(_change_torch, _torch_state)[0]
     assert (dtype, grad, handler) == (torch.float32, True, signal.SIG_DFL)
     assert seed != 0
-    assert _pair(pools, "leaky", _change_torch, _torch_state)[0] == (
+    assert _pair(_change_torch, _torch_state, leaky)[0] == (
         torch.float64, False, 0, signal.SIG_IGN)
 
 
-def test_a_leftover_thread_retires_the_pool(pools):
-    runner, environ = pools["isolated"]
-    runner.run(_start_thread, (), environ(), timeout=60)
-    assert runner.retired and "threads left running: leaked-by-test" in runner.retired
-    leaky_names = _pair(pools, "leaky", _start_thread, _thread_names)[0]
-    assert "leaked-by-test" in leaky_names
+def test_a_leftover_thread_retires_the_pool(leaky):
+    retired = len(pool.STATS["retired"])
+    names = _pair(_start_thread, _thread_names)[0]
+    assert "leaked-by-test" not in names
+    assert "threads left running: leaked-by-test" in pool.STATS["retired"][retired]
+    assert "leaked-by-test" in _pair(_start_thread, _thread_names, leaky)[0]
 
 
 def test_a_dead_worker_is_replaced():
@@ -151,24 +155,11 @@ def test_a_dead_worker_is_replaced():
 
 def test_a_hang_names_the_test_and_rank_and_the_next_call_runs():
     with pytest.raises(WorkerFailed) as failed:
-        pool.spawn(_hang_on_rank_0, 2, timeout=5)
+        pool.spawn(_hang_on_rank_0, 2, timeout=2)
     message = str(failed.value)
     assert "test_a_hang_names_the_test_and_rank" in message
-    assert "timed out after 5 s waiting for ranks [0]" in message
+    assert "timed out after 2 s waiting for ranks [0]" in message
     assert pool.spawn(_all_reduce, 2, 0)[0][0] == 1.0
-
-
-def test_dead_worker_without_isolation_breaks_the_next_call():
-    leaky = pool.RankPool(2, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
-                          isolate=False)
-    environ = {**os.environ, **fresh.launch_environment(2)}
-    try:
-        with pytest.raises(WorkerFailed, match="rank 1 died"):
-            leaky.run(_die_on_rank_1, (), environ, timeout=30)
-        with pytest.raises(WorkerFailed, match="rank 1 died"):
-            leaky.run(_all_reduce, (0,), environ, timeout=30)
-    finally:
-        leaky.close()
 
 
 def test_pool_overhead_against_spawning():
@@ -178,7 +169,7 @@ def test_pool_overhead_against_spawning():
     fresh.spawn(_all_reduce, 2, 0)
     spawned = time.perf_counter() - start
     start = time.perf_counter()
-    calls = 5
+    calls = 3
     for _ in range(calls):
         pool.spawn(_all_reduce, 2, 0)
     pooled = (time.perf_counter() - start) / calls
@@ -196,3 +187,11 @@ def test_a_script_runs_unchanged_on_pool_ranks(tmp_path):
     first, second = pool.run_script(str(script), "--flag", "x")
     assert (first.returncode, first.stdout) == (0, "rank 0 of 2 ['--flag', 'x']\n")
     assert (second.returncode, second.stdout) == (3, "rank 1 of 2 ['--flag', 'x']\n")
+
+
+def test_dead_worker_without_isolation_breaks_the_next_call(leaky):
+    """Last in the module: it leaves the private pool broken."""
+    with pytest.raises(WorkerFailed, match="rank 1 died"):
+        _leaky_run(leaky, _die_on_rank_1)
+    with pytest.raises(WorkerFailed, match="rank 1 died"):
+        _leaky_run(leaky, _read_variable)

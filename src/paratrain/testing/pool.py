@@ -56,7 +56,9 @@ from paratrain.testing import worker_loop
 START_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS",
                    "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE",
                    "OPENBLAS_L2_SIZE", "PYTHONHASHSEED", "TORCH_LOGS")
-MAX_WORKERS = 12  # across pools; the least recently used pool is closed past it
+# Across pools; past it the least recently used pool is closed. 1+2+3+4+8 ranks fit, so
+# the suite's usual world sizes do not evict each other (each restart costs seconds).
+MAX_WORKERS = 18
 READY_TIMEOUT_S = 180.0
 _TASK_IDS = itertools.count()
 
@@ -117,7 +119,8 @@ class RankPool:
                                              files=files, timeout=timeout)
                 if message[0] != task_id:
                     continue  # a late answer to an earlier, abandoned task
-                _, rank, ok, value, problems = message
+                _, rank, ok, value, problems, rss = message
+                STATS["max_rss"] = max(STATS["max_rss"], rss)
                 if problems:
                     self._retire(f"rank {rank}: " + "; ".join(problems))
                 if not ok:
@@ -206,7 +209,7 @@ def _output_tails(files: list | None, ranks: list[int], chars: int = 2000) -> st
 
 
 _POOLS: OrderedDict[tuple, RankPool] = OrderedDict()
-STATS = {"tasks": 0, "pools_started": 0, "retired": []}
+STATS = {"tasks": 0, "pools_started": 0, "retired": [], "max_rss": 0}
 
 
 def _pool_for(world_size: int, start_env: dict[str, str]) -> RankPool:

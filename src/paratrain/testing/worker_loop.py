@@ -35,7 +35,7 @@ from paratrain.distributed import _compat
 
 # A worker whose resident memory grows past this is replaced: tests that build
 # models leave caches (allocator arenas, imported model families) behind.
-MAX_RSS_BYTES = 3 * 2**30
+MAX_RSS_BYTES = 2 * 2**30
 THREAD_GRACE_S = 2.0
 _IDLE_IGNORED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
@@ -303,4 +303,4 @@ def serve(rank: int, world_size: int, tasks: Any, results: Any, isolate: bool,
             ok, value = _run_task(task, rank, world_size, isolate, baseline)
             problems = baseline.restore() if isolate else []
         baseline.idle()
-        results.put((task.task_id, rank, ok, value, problems))
+        results.put((task.task_id, rank, ok, value, problems, _rss_bytes()))
