@@ -7,7 +7,21 @@ at outer syncs only), and :mod:`~paratrain.fault_tolerance.heal` for what a heal
 receives.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from paratrain.fault_tolerance.options import FaultTolerance, ReplicaGroup, resolve
-from paratrain.fault_tolerance.quorum import LighthouseUnreachable, ReplicaQuorum
+
+if TYPE_CHECKING:
+    from paratrain.fault_tolerance.quorum import LighthouseUnreachable, ReplicaQuorum
+
+
+def __getattr__(name: str) -> Any:
+    # The quorum (DTensor, torchft) is imported on first use: the launcher reads only
+    # the options, and importing DTensor costs every launch half a second.
+    if name in ("LighthouseUnreachable", "ReplicaQuorum"):
+        from paratrain.fault_tolerance import quorum
+
+        return getattr(quorum, name)
+    raise AttributeError(f"module 'paratrain.fault_tolerance' has no attribute {name!r}")
 
 __all__ = ["FaultTolerance", "LighthouseUnreachable", "ReplicaGroup", "ReplicaQuorum", "resolve"]
