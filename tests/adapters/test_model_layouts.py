@@ -15,7 +15,14 @@ pytest.importorskip("torchvision")
 import layout_cells  # noqa: E402
 import model_layouts  # noqa: E402
 
+from paratrain.testing import pool  # noqa: E402
 from paratrain.testing.numerics import REASSOCIATION  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def cells_on_the_pool(monkeypatch):
+    """The benchmark spawns fresh ranks per cell; here the cells run on the rank pool."""
+    monkeypatch.setattr(model_layouts, "spawn", pool.spawn)
 
 
 def reference(model):
