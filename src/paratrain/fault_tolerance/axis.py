@@ -9,13 +9,46 @@ layout, at its outer syncs only (:class:`~paratrain.fault_tolerance.rounds.Outer
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from paratrain.fault_tolerance.options import resolve
-from paratrain.fault_tolerance.quorum import NoReplicaGroups, ReplicaQuorum
-from paratrain.fault_tolerance.rounds import OuterRounds
 
-__all__ = ["replica_groups"]
+if TYPE_CHECKING:
+    from torch import nn
+
+    from paratrain.data.loader import DataCursor
+    from paratrain.fault_tolerance.quorum import ReplicaQuorum
+
+__all__ = ["NoReplicaGroups", "replica_groups"]
+
+
+class NoReplicaGroups:
+    """A job without fault tolerance: one group, nothing to average, every step commits."""
+
+    @property
+    def uncommitted_steps(self) -> list[int]:
+        return []  # every step commits
+
+    def data_shard(self, rank: int, size: int) -> tuple[int, int]:
+        return rank, size
+
+    def notice(self) -> None:
+        return None
+
+    def join(self, state: Any, precision: Any, cursor: Any, *, restarted: bool = False) -> None:
+        return None
+
+    def average_gradients(self, models: list[nn.Module]) -> None:
+        return None
+
+    def commit(self, step: int) -> bool:
+        return True
+
+    def next_step(self, step: int, cursor: DataCursor) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 def replica_groups(options: Any, settings: Any, topology: Any, print_fn: Callable[[str], None],
@@ -29,6 +62,11 @@ def replica_groups(options: Any, settings: Any, topology: Any, print_fn: Callabl
     resolved = resolve(options, settings.replica_group, settings.lighthouse)
     if resolved is None:
         return NoReplicaGroups()
+    # The quorum (torchft, DTensor) is imported only by a job launched fault tolerant:
+    # importing it costs every other process half a second of start-up.
+    from paratrain.fault_tolerance.quorum import ReplicaQuorum
+    from paratrain.fault_tolerance.rounds import OuterRounds
+
     if precision == "16-mixed":
         # Each group's loss scaler picks its own scale: an average of gradients scaled
         # differently would be wrong, and the scales are not agreed across groups.

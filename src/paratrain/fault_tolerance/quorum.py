@@ -31,7 +31,7 @@ from paratrain.data.loader import DataCursor
 from paratrain.fault_tolerance import heal
 from paratrain.fault_tolerance.options import FaultTolerance, ReplicaGroup
 
-__all__ = ["LighthouseUnreachable", "NoReplicaGroups", "ReplicaQuorum"]
+__all__ = ["LighthouseUnreachable", "ReplicaQuorum"]
 
 
 class LighthouseUnreachable(RuntimeError):
@@ -225,30 +225,3 @@ class ReplicaQuorum:
             self._manager = None
 
 
-class NoReplicaGroups:
-    """A job without fault tolerance: one group, nothing to average, every step commits."""
-
-    @property
-    def uncommitted_steps(self) -> list[int]:
-        return []  # every step commits
-
-    def data_shard(self, rank: int, size: int) -> tuple[int, int]:
-        return rank, size
-
-    def notice(self) -> None:
-        return None
-
-    def join(self, state: Any, precision: Any, cursor: Any, *, restarted: bool = False) -> None:
-        return None
-
-    def average_gradients(self, models: list[nn.Module]) -> None:
-        return None
-
-    def commit(self, step: int) -> bool:
-        return True
-
-    def next_step(self, step: int, cursor: DataCursor) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
