@@ -121,6 +121,21 @@ def test_a_raising_rank_reports_its_traceback():
     assert pool.spawn(_all_reduce, 2, 0)[0][0] == 1.0  # the broken group is not inherited
 
 
+def _raise_on_rank_0(rank, world_size):
+    if rank == 0:
+        raise ValueError("only rank 0 fails")
+    return os.getpid()
+
+
+def test_a_failure_every_rank_survives_keeps_the_pool():
+    before = {r[3] for r in pool.spawn(_all_reduce, 2, 0)}
+    retired = len(pool.STATS["retired"])
+    with pytest.raises(WorkerFailed, match="rank 0 raised"):
+        pool.spawn(_raise_on_rank_0, 2)
+    assert len(pool.STATS["retired"]) == retired
+    assert {r[3] for r in pool.spawn(_all_reduce, 2, 0)} == before  # the same processes
+
+
 def test_environment_is_reset(leaky):
     assert _pair(_set_variable, _read_variable) == [None, None]
     assert _pair(_set_variable, _read_variable, leaky) == ["1", "1"]

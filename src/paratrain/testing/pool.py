@@ -14,9 +14,10 @@ Each call is isolated from the last:
   it the worker's process group is destroyed and its environment, hooks, signal
   handlers, logging, warnings and torch settings are put back
   (``worker_loop.Baseline``);
-- a call that fails, hangs, kills a worker or leaves something that cannot be put
-  back (a running thread, an open group) retires the pool: the next call starts a
-  new one, so it is unaffected;
+- a call that hangs, kills a worker or leaves something that cannot be put back (a
+  running thread, an open group) retires the pool: the next call starts a new one, so
+  it is unaffected; a rank that raises gives its peers ``FAILURE_GRACE_S`` to answer
+  too, and the pool is kept only if all of them did;
 - a timeout names the test and the ranks that did not answer, with their output.
 
 Variables read when torch starts (``START_VARIABLES``) are fixed per pool: a call
@@ -60,6 +61,8 @@ START_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREA
 # the suite's usual world sizes do not evict each other (each restart costs seconds).
 MAX_WORKERS = 18
 READY_TIMEOUT_S = 180.0
+# After one rank raised, how long its peers get to finish before the pool is replaced.
+FAILURE_GRACE_S = 5.0
 _TASK_IDS = itertools.count()
 
 
@@ -112,28 +115,42 @@ class RankPool:
                 stderr=files[rank][1]))
         self.tasks_run += 1
         collected: dict[int, Any] = {}
+        answered: set[int] = set()
+        failure: str | None = None
         try:
             deadline = time.monotonic() + timeout
-            while len(collected) < self.world_size:
-                message = self._next_message(deadline, collected, _test_name(),
+            while len(answered) < self.world_size:
+                message = self._next_message(deadline, answered, _test_name(),
                                              files=files, timeout=timeout)
                 if message[0] != task_id:
                     continue  # a late answer to an earlier, abandoned task
                 _, rank, ok, value, problems, rss = message
+                answered.add(rank)
                 STATS["max_rss"] = max(STATS["max_rss"], rss)
                 if problems:
                     self._retire(f"rank {rank}: " + "; ".join(problems))
-                if not ok:
-                    if self.isolate:
-                        self._retire("a rank raised")
-                    raise WorkerFailed(f"rank {rank} raised:\n{value}")
-                collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                if ok:
+                    collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                elif failure is None:
+                    failure = f"rank {rank} raised:\n{value}"
+                    if not self.isolate:
+                        raise WorkerFailed(failure)
+                    # The others may wait in a collective for this rank: give them a
+                    # moment to fail or finish too; whoever does not retires the pool.
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        except WorkerFailed:
+            if failure is not None:  # a peer of the failed rank never answered
+                self._retire("a rank raised and a peer did not finish")
+                raise WorkerFailed(failure) from None
+            self._retire("a task did not finish cleanly")
+            raise
         except BaseException:
-            if self.isolate:  # a rank may still be inside a collective: start over
-                self._retire("a task did not finish cleanly")
+            self._retire("a task did not finish cleanly")  # a rank may be mid-collective
             raise
         finally:
             _forward_output(files)
+        if failure is not None:
+            raise WorkerFailed(failure)
         return [collected[r] for r in range(self.world_size)]
 
     def _next_message(self, deadline: float, answered: Any, what: str, *,
@@ -157,7 +174,7 @@ class RankPool:
                                        + _output_tails(files, dead)) from None
 
     def _retire(self, reason: str) -> None:
-        if self.retired is None:
+        if self.isolate and self.retired is None:
             self.retired = f"{_test_name()}: {reason}"
 
     def close(self) -> None:
