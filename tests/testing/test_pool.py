@@ -210,3 +210,15 @@ def test_dead_worker_without_isolation_breaks_the_next_call(leaky):
         _leaky_run(leaky, _die_on_rank_1)
     with pytest.raises(WorkerFailed, match="rank 1 died"):
         _leaky_run(leaky, _read_variable)
+
+
+def _loader_with_workers(rank, world_size):
+    from torch.utils.data import DataLoader
+
+    return [batch.tolist() for batch in DataLoader(list(range(4)), batch_size=2,
+                                                    num_workers=2)]
+
+
+def test_a_task_may_start_processes_of_its_own():
+    """DataLoader workers in a rank: a daemonic pool worker could not start them."""
+    assert pool.spawn(_loader_with_workers, 1) == [[[0, 1], [2, 3]]]

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import itertools
@@ -84,7 +85,9 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(world_size)]
-        self._procs = [ctx.Process(target=worker_loop.serve, daemon=True,
+        # Not daemons: code under test may start processes of its own (DataLoader
+        # workers, spawned ranks), which a daemon may not. close_pools ends them at exit.
+        self._procs = [ctx.Process(target=worker_loop.serve, daemon=False,
                                    args=(rank, world_size, self._inboxes[rank],
                                          self._results, isolate, os.getpid()))
                        for rank in range(world_size)]
@@ -249,6 +252,9 @@ def close_pools() -> None:
     """Stop every pool (the test session's end; also registered at exit)."""
     while _POOLS:
         _POOLS.popitem()[1].close()
+
+
+atexit.register(close_pools)  # before multiprocessing joins its non-daemon children
 
 
 @dataclass(frozen=True)
