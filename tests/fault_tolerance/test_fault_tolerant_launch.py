@@ -2,7 +2,9 @@
 
 Each job runs ``tests/scripts/ft_train.py``, which logs a digest of every rank's
 parameters after each step; the tests compare replica groups with each other, with plain
-DDP, and across a kill and the healing that follows.
+DDP, and across a kill and the healing that follows. The fault-tolerant jobs are real
+launches; the plain references they are compared with run the same script unchanged on
+the rank pool (``run_script``: the environment ``paratrain launch`` gives it).
 """
 
 import json
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.testing.pool import run_script
+
 pytest.importorskip("torchft", reason="needs torchft (pip install 'paratrain[ft]')")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_train.py"
@@ -26,6 +30,15 @@ def _launch(out: Path, *flags: str, sleep_s: float = 0.0, epochs: int = 2,
             str(sleep_s), str(epochs)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {})})
+
+
+def _reference(out: Path, *, nproc: int = 2, epochs: int = 2,
+               env: dict | None = None) -> None:
+    """The script without fault tolerance, as ``paratrain launch --nproc-per-node NPROC``
+    runs it, on pool ranks (a reference computation, no launcher behaviour under test)."""
+    for rank, ran in enumerate(run_script(str(SCRIPT), str(out), "0.0", str(epochs),
+                                          nproc=nproc, env=env, timeout=240)):
+        assert ran.returncode == 0, f"rank {rank}:\n{ran.stderr[-3000:]}"
 
 
 def _steps(path: Path) -> list[dict]:
@@ -52,7 +65,7 @@ def test_two_replica_groups_train_bitwise_as_two_rank_ddp(tmp_path):
     checkpoints = tmp_path / "checkpoints"
     _finish(_launch(ft_dir, "--fault-tolerant", "--replica-groups", "2",
                     env={"FT_TEST_CHECKPOINT_DIR": str(checkpoints)}))
-    _finish(_launch(ddp_dir, "--nproc-per-node", "2"))
+    _reference(ddp_dir)
     group0, group1 = _steps(ft_dir / "group0-rank0.jsonl"), _steps(ft_dir / "group1-rank0.jsonl")
     ddp = _steps(ddp_dir / "group0-rank0.jsonl")
     assert [s["step"] for s in group0] == list(range(1, 33))  # 2 epochs of 512 / (2 x 16)

@@ -2,7 +2,7 @@
 
 The groups meet only at outer syncs, through torchft. Without failures two groups of one
 rank must train exactly as the same mode over two ranks of one job (the replicate axis
-of a process group); with a group killed, the survivor never stops, and the restarted
+of a process group; that reference runs on the rank pool); with a group killed, the survivor never stops, and the restarted
 group heals into the survivor's next sync and is its replica again after it.
 """
 
@@ -24,7 +24,7 @@ pytest.importorskip("torchft", reason="needs torchft (pip install 'paratrain[ft]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ft_train.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_fault_tolerant_launch import _finish, _steps, _wait_for_step  # noqa: E402
+from test_fault_tolerant_launch import _finish, _reference, _steps, _wait_for_step  # noqa: E402
 
 
 def _launch(out: Path, mode: dict, *flags: str, sleep_s: float = 0.0, epochs: int = 1,
@@ -47,7 +47,7 @@ def test_groups_train_bitwise_as_the_same_mode_over_two_ranks(tmp_path, mode):
     plain_dir.mkdir()
     ft = _launch(ft_dir, mode, "--fault-tolerant", "--replica-groups", "2")
     output = _finish(ft)
-    _finish(_launch(plain_dir, mode, "--nproc-per-node", "2"))
+    _reference(plain_dir, epochs=1, env={"FT_TEST_SEMI_SYNC": json.dumps(mode)})
     assert "2 fault-tolerant replica groups" in output, output[-2000:]
     for group in (0, 1):
         groups = _steps(ft_dir / f"group{group}-rank0.jsonl")
@@ -72,8 +72,8 @@ def test_fsdp_inside_each_group_is_hsdp_diloco(tmp_path):
     plain_dir.mkdir()
     _finish(_launch(ft_dir, mode, "--fault-tolerant", "--replica-groups", "2",
                     "--nproc-per-node", "2"))
-    _finish(_launch(plain_dir, mode, "--nproc-per-node", "4",
-                    parallel="dp_replicate=2,dp_shard=2"))
+    _reference(plain_dir, nproc=4, epochs=1, env={"FT_TEST_SEMI_SYNC": json.dumps(mode),
+                                                   "FT_TEST_PARALLEL": "dp_replicate=2,dp_shard=2"})
     for group in (0, 1):
         for rank in (0, 1):
             shards = _steps(ft_dir / f"group{group}-rank{rank}.jsonl")

@@ -133,17 +133,20 @@ def test_the_ranks_agree_on_which_signal_stopped_them():
 
 @pytest.mark.slow
 def test_usr1_to_the_launcher_saves_requeues_and_the_job_resumes_exactly(tmp_path):
-    """No Slurm daemons: a fake ``scontrol`` and ``SLURM_JOB_ID``; the launcher forwards."""
+    """No Slurm daemons: a fake ``scontrol`` and ``SLURM_JOB_ID``; the launcher forwards.
+    The signalled job is a real launch; the uninterrupted reference and the requeued run
+    (the same script, resuming from the checkpoint) run on the rank pool."""
+    from paratrain.testing.pool import run_script
+
     record = _fake_scontrol(tmp_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "88",
-           "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    slurm = {"OMP_NUM_THREADS": "1", "SLURM_JOB_ID": "88",
+             "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    args = ["--epochs", "3", "--checkpoint-dir", str(tmp_path / "ckpt")]
     launch = [sys.executable, "-m", "paratrain.cli", "launch", "--nproc-per-node", "2", TRAIN,
-              "--epochs", "3", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    reference = subprocess.run([*launch[:-2], "--out", str(tmp_path / "reference.pt")],
-                               capture_output=True, text=True, timeout=300, env=env)
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    job = subprocess.Popen([*launch, "--step-sleep", "0.2", "--log-steps"], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              *args]
+    job = subprocess.Popen([*launch, "--step-sleep", "0.2", "--log-steps"],
+                           env={**os.environ, **slurm}, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in job.stdout:
         lines.append(line)
@@ -155,9 +158,11 @@ def test_usr1_to_the_launcher_saves_requeues_and_the_job_resumes_exactly(tmp_pat
     saved = re.search(r"^paratrain: SIGUSR1 received; saved step (\d+) to \S+; requeued Slurm "
                       r"job 88, exiting$", "".join(lines), re.M)
     assert saved and record.read_text() == "requeue 88\n", "".join(lines)[-3000:]
-    again = subprocess.run([*launch, "--out", str(tmp_path / "final.pt")], capture_output=True,
-                           text=True, timeout=300, env=env)
-    assert f"(epoch 0, step {saved.group(1)})" in again.stdout, again.stdout + again.stderr
+    reference = run_script(TRAIN, *args[:2], "--out", str(tmp_path / "reference.pt"), env=slurm)
+    assert all(r.returncode == 0 for r in reference), reference[0].stderr[-2000:]
+    again = run_script(TRAIN, *args, "--out", str(tmp_path / "final.pt"), env=slurm)
+    assert all(r.returncode == 0 for r in again), again[0].stderr[-2000:]
+    assert f"(epoch 0, step {saved.group(1)})" in again[0].stdout, again[0].stdout + again[0].stderr
     expected, got = torch.load(tmp_path / "reference.pt"), torch.load(tmp_path / "final.pt")
     assert all(torch.equal(expected[name], got[name]) for name in expected)
 

@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import paratrain
+from paratrain.distributed import spawn as fresh
 from paratrain.distributed.spawn import WorkerFailed
 from paratrain.reliability.health import HealthError
 from paratrain.run import collective_calls
 from paratrain.run.collective_calls import CollectiveCalls
-from paratrain.testing.pool import spawn
 
 ADVICE = ("run.prepare(), run.evaluate(), run.mean(), run.sum(), run.gather() and run.save() "
           "are collective: call them on every rank (only printing belongs under "
@@ -59,7 +59,8 @@ def alone_on_rank_0(rank, world_size, method, directory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["save", "evaluate", "gather"])  # mean: in the next test
 def test_a_collective_method_on_rank_0_only_is_named(method, tmp_path):
-    results = spawn(alone_on_rank_0, 2, method, str(tmp_path), timeout=180)
+    # Fresh processes, not the pool: rank 1's process must exit (it breaks rank 0's wait).
+    results = fresh.spawn(alone_on_rank_0, 2, method, str(tmp_path), timeout=180)
     assert results[1] == "closed"
     assert results[0] == (f"rank 0 called run.{method}() but rank 1 did not (it called "
                           f"run.close()); {ADVICE}")
@@ -83,7 +84,7 @@ def peer_fails(rank, world_size):
 
 @pytest.mark.slow
 def test_a_peer_that_failed_is_not_called_a_misuse():
-    first, second = spawn(peer_fails, 2, timeout=180)
+    first, second = fresh.spawn(peer_fails, 2, timeout=180)  # rank 1's process must exit
     assert second == "raised"
     assert first.startswith("PeerLostError: rank 0: a collective failed") and "did not" not in first
 
@@ -92,7 +93,8 @@ def group_outlives_the_run(rank, world_size):
     """The script owns the group, so rank 1's close leaves it up: rank 0 would wait for the
     timeout (under NCCL be aborted by its watchdog) without the watcher."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    run = paratrain.Run(strategy="ddp", accelerator="cpu", progress=False, timeout_s=120)
+    # Run's timeout sets the watcher's grace (half of it, at most 15 s), not the group's.
+    run = paratrain.Run(strategy="ddp", accelerator="cpu", progress=False, timeout_s=20)
     trained(run)
     if rank == 0:
         started = time.monotonic()
@@ -107,7 +109,7 @@ def group_outlives_the_run(rank, world_size):
 def test_a_collective_left_waiting_by_a_closed_peer_ends_in_seconds(capfd):
     started = time.monotonic()
     with pytest.raises(WorkerFailed, match="rank 0 died with exit code 1"):
-        spawn(group_outlives_the_run, 2, timeout=100)
+        fresh.spawn(group_outlives_the_run, 2, timeout=100)  # a rank dies: not on the pool
     assert time.monotonic() - started < 60  # the collective's timeout is 120 s
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert lines[-1] == (f"paratrain: rank 0 called run.mean() but rank 1 did not (it called "
