@@ -136,6 +136,7 @@ class Baseline:
         self.loggers = _logger_states()
         self.warning_filters = list(warnings.filters)
         self.threads = {t.ident for t in threading.enumerate()}
+        self.collected = False  # garbage collected since the task ended
 
     def idle(self) -> None:
         """Between tasks: a signal meant for the parent's other children (a test of
@@ -174,7 +175,9 @@ class Baseline:
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
         _clear_caches()
-        gc.collect()  # what the task left in cycles goes now, not in the next task
+        if not self.collected:  # what the task left in cycles goes now, not in the next
+            gc.collect()
+        self.collected = False
         problems += self._leftovers()
         return problems
 
@@ -277,8 +280,12 @@ def _run_task(task: Task, rank: int, world_size: int, isolate: bool,
                 return False, traceback.format_exc()
     finally:
         if isolate:
+            import torch.distributed as dist
+
             from paratrain.distributed.process_group import destroy_process_group
 
+            # destroy_process_group collects garbage first when there is a group.
+            baseline.collected = dist.is_available() and dist.is_initialized()
             destroy_process_group()
 
 
