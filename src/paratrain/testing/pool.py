@@ -180,11 +180,15 @@ class RankPool:
         if self.isolate and self.retired is None:
             self.retired = f"{_test_name()}: {reason}"
 
-    def close(self) -> None:
-        """Stop every worker (killing any that does not stop) and remove its files."""
+    def stop(self) -> None:
+        """Ask every worker to end after its task (``close`` waits for them)."""
         for proc, inbox in zip(self._procs, self._inboxes):
             if proc.is_alive() and self.retired is None:
                 inbox.put(None)
+
+    def close(self) -> None:
+        """Stop every worker (killing any that does not stop) and remove its files."""
+        self.stop()
         for proc in self._procs:
             proc.join(timeout=5 if self.retired is None else 0)
             if proc.is_alive():
@@ -249,7 +253,10 @@ def _pool_for(world_size: int, start_env: dict[str, str]) -> RankPool:
 
 
 def close_pools() -> None:
-    """Stop every pool (the test session's end; also registered at exit)."""
+    """Stop every pool (the test session's end; also registered at exit). All are told
+    first, so their workers shut their interpreters down side by side."""
+    for pool in _POOLS.values():
+        pool.stop()
     while _POOLS:
         _POOLS.popitem()[1].close()
 
