@@ -105,8 +105,6 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         >>> spawn(worker, 1, accelerator="cuda")                        # doctest: +SKIP
     """
     base_env = {**launch_environment(world_size, accelerator), **(env or {})}
-    visibility = [name for name in ("PARATRAIN_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
-                  if name in base_env]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
@@ -114,7 +112,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
         for rank in range(world_size)
     ]
     # Visibility is fixed at start (see environment_at_start), also a caller's CUDA_VISIBLE_DEVICES.
-    at_start = (*visibility, "CUDA_VISIBLE_DEVICES")
+    at_start = ("PARATRAIN_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
     with environment_at_start({name: base_env[name] for name in at_start if name in base_env}):
         for proc in procs:
             proc.start()

@@ -79,7 +79,6 @@ class RankPool:
                  isolate: bool = True) -> None:
         self.world_size = world_size
         self.isolate = isolate
-        self.tasks_run = 0
         self.retired: str | None = None  # why this pool must not run another task
         self._outdir = tempfile.mkdtemp(prefix="paratrain-pool-")
         ctx = mp.get_context("spawn")
@@ -116,7 +115,6 @@ class RankPool:
                 environ={**environ, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 cwd=os.getcwd(), sys_path=list(sys.path), stdout=files[rank][0],
                 stderr=files[rank][1]))
-        self.tasks_run += 1
         collected: dict[int, Any] = {}
         answered: set[int] = set()
         failure: str | None = None
